@@ -1,0 +1,77 @@
+"""The one request type the scheduler tracks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from airserve.srt.sampling.sampling_params import SamplingParams
+from airserve.srt.tokenizer import IncrementalDecoder
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    decoder: IncrementalDecoder
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
+    kv_len: int = 0  # tokens whose K/V are in the cache
+    finished_reason: dict | None = None
+    generator: torch.Generator | None = None
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_retractions: int = 0
+    # Output text sent so far, for streaming deltas.
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens a (re-)prefill must process: after retraction, the outputs are re-read too."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.decoder.text
+
+    def output_text(self) -> str:
+        """The text to return: cut at a matched stop string, which is not included."""
+        text = self.decoder.text
+        reason = self.finished_reason or {}
+        matched = reason.get("matched")
+        if reason.get("type") == "stop" and isinstance(matched, str):
+            cut = text.find(matched)
+            if cut >= 0:
+                return text[:cut]
+        return text
+
+    def stream_text(self) -> str:
+        """Text that is safe to stream now: holds back a tail that may grow into a stop string."""
+        if self.finished:
+            return self.output_text()
+        text = self.decoder.text
+        hold = 0
+        for stop in self.sampling_params.stop:
+            for n in range(min(len(stop) - 1, len(text)), hold, -1):
+                if stop.startswith(text[-n:]):
+                    hold = n
+                    break
+        return text[: len(text) - hold]

@@ -1,0 +1,128 @@
+"""Request slots, the paged KV cache and its page allocator.
+
+Slot numbering: token slot s lives in page s // page_size at offset s % page_size. Page 0 is
+reserved: its slot 0 is the dummy slot that padded rows of a captured graph write into, so a
+padded row can never touch a live request's KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DUMMY_SLOT = 0
+DUMMY_PAGE = 0
+
+
+class ReqToTokenPool:
+    """Maps a request slot to the KV slot of each of its tokens: the source of block tables."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        # [size, max_context_len] int32; entries past a request's length are stale or 0.
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self._free = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return len(self._free) >= n
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free request slot; check can_allocate() first")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"request slot {slot} freed twice")
+        self._free.append(slot)
+
+
+class TokenToKVPool:
+    """Per-layer K and V tensors, allocated once: [num_pages * page_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.dtype = dtype
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        # Zeroed, not empty: attention reads padded positions (masked) and 0 * NaN would leak.
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).itemsize
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+
+class PagedAllocator:
+    """Hands out whole pages to requests and writes their slots into `req_to_token`.
+
+    A request owns pages, never single slots, so a free page is always usable by anyone:
+    allocation cannot fail from fragmentation while enough pages are free.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (one is the reserved dummy page)")
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free_pages = list(range(num_pages - 1, DUMMY_PAGE, -1))
+
+    @property
+    def total_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def available_pages(self) -> int:
+        return len(self._free_pages)
+
+    def available_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def pages_needed(self, cur_len: int, new_len: int) -> int:
+        p = self.page_size
+        return -(-new_len // p) - (-(-cur_len // p))
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free_pages)
+
+    def allocate(self, req_slot: int, cur_len: int, new_len: int) -> torch.Tensor:
+        """Give request `req_slot` the slots for token positions [cur_len, new_len).
+
+        Returns those slots (out_cache_loc) as an int64 tensor of length new_len - cur_len.
+        """
+        n = self.pages_needed(cur_len, new_len)
+        if n > len(self._free_pages):
+            raise RuntimeError(f"need {n} KV pages, {len(self._free_pages)} free")
+        row = self.req_to_token[req_slot]
+        p = self.page_size
+        if n:
+            first_new_page = -(-cur_len // p)
+            pages = torch.tensor([self._free_pages.pop() for _ in range(n)], dtype=torch.int32)
+            slots = (pages[:, None] * p + torch.arange(p, dtype=torch.int32)).flatten()
+            row[first_new_page * p:first_new_page * p + n * p] = slots.to(row.device)
+        return row[cur_len:new_len].to(torch.int64)
+
+    def free(self, req_slot: int, seq_len: int) -> None:
+        """Return every page of request `req_slot` that holds its first `seq_len` tokens."""
+        if seq_len <= 0:
+            return
+        p = self.page_size
+        pages = (self.req_to_token[req_slot, 0:seq_len:p] // p).tolist()
+        if DUMMY_PAGE in pages:
+            raise RuntimeError(f"request slot {req_slot} claims the reserved dummy page")
+        self._free_pages.extend(reversed(pages))
+
+    def block_table(self, req_slots: torch.Tensor, max_blocks: int) -> torch.Tensor:
+        """[len(req_slots), max_blocks] int32 page ids: the block table of those requests."""
+        p = self.page_size
+        return self.req_to_token[req_slots, : max_blocks * p : p] // p

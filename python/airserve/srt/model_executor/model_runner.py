@@ -1,0 +1,161 @@
+"""Owns the model, the KV memory and the decode graph runner; runs one forward pass."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from airserve.srt.configs import ModelConfig
+from airserve.srt.layers.attention.base import AttentionBackend
+from airserve.srt.mem_cache.memory_pool import (
+    PagedAllocator,
+    ReqToTokenPool,
+    TokenToKVPool,
+)
+from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.model_loader.loader import load_model
+from airserve.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 128
+
+
+def create_attention_backend(name: str, allocator: PagedAllocator,
+                             context_len: int) -> AttentionBackend:
+    if name == "torch_native":
+        from airserve.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(allocator, context_len)
+    if name == "ascend":
+        from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
+
+        return AscendAttnBackend(allocator, context_len)
+    raise ValueError(f"--attention-backend {name!r} is unknown; use torch_native or ascend")
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None,
+                 model: torch.nn.Module | None = None) -> None:
+        self.server_args = args = server_args
+        self.device = args.device
+        from airserve.srt.model_executor.runner_selection import check_device
+
+        check_device(args)
+        if args.num_threads is not None and self.device == "cpu":
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.random_seed)
+        if model is None:
+            model_config, model = load_model(args.model_path, args.dtype, self.device,
+                                             args.context_length)
+        self.model_config = model_config
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.fallback_counts: Counter[str] = Counter()
+        self._init_memory()
+        self.attn_backend = create_attention_backend(
+            args.resolved_attention_backend, self.allocator, self.context_len)
+        self.graph_runner = None
+        from airserve.srt.model_executor.runner_selection import create_graph_runner
+
+        self.graph_runner = create_graph_runner(self)
+
+    # Memory.
+    def _init_memory(self) -> None:
+        args, cfg = self.server_args, self.model_config
+        page = args.resolved_page_size
+        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                  cfg.head_dim, self.dtype)
+        max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        else:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = args.resolved_mem_fraction_static * self._total_memory() - weights
+            tokens = int(budget // per_token)
+            # More than every running request at full context is never used.
+            tokens = min(tokens, max_running * self.context_len)
+            if tokens < page * 2:
+                raise RuntimeError(
+                    f"no memory left for the KV cache ({budget / 2**20:.0f} MiB after weights); "
+                    "raise --mem-fraction-static or set --max-total-tokens"
+                )
+        num_pages = -(-tokens // page) + 1  # + the reserved dummy page
+        max_blocks = -(-self.context_len // page)
+        self.max_running_requests = max_running
+        self.req_to_token_pool = ReqToTokenPool(max_running + 1, max_blocks * page, self.device)
+        self.kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, page,
+                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                                     self.device)
+        self.allocator = PagedAllocator(self.req_to_token_pool, num_pages, page)
+        self.kv_cache = KVCache(self.kv_pool.k_buffers, self.kv_pool.v_buffers, page)
+        logger.info("KV cache: %d tokens in %d pages of %d (%.1f MiB), context %d, %d slots",
+                    (num_pages - 1) * page, num_pages - 1, page,
+                    self.kv_pool.memory_bytes() / 2**20, self.context_len, max_running)
+
+    def _total_memory(self) -> int:
+        if self.device == "cuda":
+            return torch.cuda.mem_get_info()[1]
+        if self.device == "npu":
+            return torch.npu.mem_get_info()[1]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    # Batches.
+    def make_forward_batch(self, mode: ForwardMode, *, input_ids: Sequence[int],
+                           positions: Sequence[int], req_pool_indices: Sequence[int],
+                           seq_lens: Sequence[int], out_cache_loc: torch.Tensor,
+                           extend_seq_lens: Sequence[int] | None = None,
+                           extend_prefix_lens: Sequence[int] | None = None,
+                           last_token_indices: Sequence[int] | None = None,
+                           return_all_logits: bool = False) -> ForwardBatch:
+        dev = self.device
+
+        def t(values, dtype):
+            return torch.tensor(list(values), dtype=dtype, device=dev)
+
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(req_pool_indices),
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            req_pool_indices=t(req_pool_indices, torch.int64),
+            seq_lens=t(seq_lens, torch.int32),
+            seq_lens_cpu=list(seq_lens),
+            out_cache_loc=out_cache_loc.to(dev),
+            kv_cache=self.kv_cache,
+            extend_seq_lens_cpu=list(extend_seq_lens) if extend_seq_lens is not None else None,
+            extend_prefix_lens_cpu=(list(extend_prefix_lens)
+                                    if extend_prefix_lens is not None else None),
+            last_token_indices=(t(last_token_indices, torch.int64)
+                                if last_token_indices is not None else None),
+            return_all_logits=return_all_logits,
+        )
+
+    # Forward.
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [rows, vocab] float32: the graph runner's replay for decode when it can run
+        the batch, otherwise eager (each eager decode is counted by reason)."""
+        if fb.forward_mode.is_decode() and self.graph_runner is not None:
+            reason = self.graph_runner.fallback_reason(fb)
+            if reason is None:
+                return self.graph_runner.replay(fb)
+            self._count_fallback(reason)
+        return self.forward_eager(fb)
+
+    @torch.inference_mode()
+    def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def _count_fallback(self, reason: str) -> None:
+        if reason not in self.fallback_counts:
+            logger.warning("decode batch ran eager, not in the graph runner: %s "
+                           "(logged once per reason; counted in fallback_counts)", reason)
+        self.fallback_counts[reason] += 1

