@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from airserve.benchmark.datasets import load_gsm8k
 from airserve.test.few_shot_gsm8k import (
     INVALID,

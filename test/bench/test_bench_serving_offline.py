@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from airserve.benchmark.backends import RequestOutput, ServerUnreachable, probe_server
 from airserve.benchmark.metrics import calculate_metrics, format_table
 

@@ -78,7 +78,8 @@ async def probe_server(base_url: str, timeout: float = 5.0) -> list[str]:
                         if path == "/health":
                             return []
                         data = await resp.json(content_type=None)
-                        return [m["id"] for m in data.get("data", []) if "id" in m]
+                        models = data.get("data") if isinstance(data, dict) else None
+                        return [m["id"] for m in models or [] if isinstance(m, dict) and "id" in m]
                     errors.append(f"GET {path}: HTTP {resp.status}")
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 errors.append(f"GET {path}: {type(e).__name__}: {e}")

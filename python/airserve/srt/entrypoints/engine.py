@@ -78,11 +78,15 @@ class Engine:
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
-            prompts = [prompt] if single else list(prompt)
-            if not all(isinstance(p, str) for p in prompts):
+            prompts = [prompt] if single else prompt
+            if not isinstance(prompts, (list, tuple)) or not all(
+                    isinstance(p, str) for p in prompts):
                 raise ValueError("prompt must be a string or a list of strings")
             token_lists = [self.tokenizer.encode(p) for p in prompts]
         else:
+            if not isinstance(input_ids, (list, tuple)) or not all(
+                    isinstance(x, (int, list, tuple)) for x in input_ids):
+                raise ValueError("input_ids must be a list of ids or a list of such lists")
             single = len(input_ids) > 0 and isinstance(input_ids[0], int)
             token_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
             vocab = self.model_runner.model_config.vocab_size
