@@ -149,9 +149,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | list[in
     data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     expected = n_elements // block_size * type_size
     if data.size != expected:
-        raise ValueError(
-            f"{name} tensor of shape {shape} needs {expected} bytes, got {data.size}"
-        )
+        raise ValueError(f"{name} tensor of shape {shape} needs {expected} bytes, got {data.size}")
     if name == "F32":
         out = data.view(np.float32).copy()
     elif name == "F16":

@@ -58,8 +58,19 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
 # GGUF value type -> struct format of one scalar
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_FMT = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -221,6 +232,12 @@ def build_hf_config(
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if "rope_freqs.weight" in names:
+        logger.warning(
+            "%s: rope_freqs.weight (Llama 3.1-style RoPE frequency scaling) is not applied; "
+            "outputs will drift from the reference model",
+            path,
+        )
     scaling = _rope_scaling(metadata, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -245,12 +262,11 @@ class GGUFCheckpoint:
         for info in self.tensor_infos:
             name = hf_tensor_name(info.name)
             if name is None:
-                logger.warning("%s: skipping GGUF tensor %s (not used)", self.path, info.name)
                 continue
             n_elements = int(np.prod(info.shape, dtype=np.int64))
-            nbytes = tensor_nbytes(info.ggml_type, n_elements)
-            raw = np.frombuffer(self._buf, dtype=np.uint8, count=nbytes, offset=info.offset)
             try:
+                nbytes = tensor_nbytes(info.ggml_type, n_elements)
+                raw = np.frombuffer(self._buf, dtype=np.uint8, count=nbytes, offset=info.offset)
                 w = dequantize(raw, info.ggml_type, info.shape)
             except ValueError as e:
                 raise ValueError(f"{self.path}: tensor {info.name}: {e}") from e
@@ -281,6 +297,11 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     except (struct.error, ValueError) as e:
         raise ValueError(f"{path}: cannot parse GGUF header: {e}") from e
     config = build_hf_config(metadata, infos, path)
+    try:
+        for info in infos:
+            hf_tensor_name(info.name)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (architecture {metadata['general.architecture']})") from e
     try:
         tokenizer_info = build_tokenizer(metadata)
     except (KeyError, ValueError) as e:

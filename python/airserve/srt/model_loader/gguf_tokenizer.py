@@ -114,7 +114,10 @@ def build_tokenizer(metadata: dict[str, Any]) -> dict[str, Any]:
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     bpe = models.BPE(
-        vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+        vocab=vocab,
+        merges=merges,
+        fuse_unk=False,
+        byte_fallback=False,
         ignore_merges=ignore_merges,
     )
     tokenizer = Tokenizer(bpe)
@@ -140,7 +143,9 @@ def build_tokenizer(metadata: dict[str, Any]) -> dict[str, Any]:
     if len(vocab) != len(tokens):
         logger.warning(
             "GGUF vocabulary has %d tokens but only %d distinct strings; ids of the duplicates "
-            "cannot be produced by encode.", len(tokens), len(vocab),
+            "cannot be produced by encode.",
+            len(tokens),
+            len(vocab),
         )
     return {
         "tokenizer": tokenizer,
