@@ -79,6 +79,7 @@ class Scheduler:
         for req in self.running:
             if req.rid == rid:
                 self.running.remove(req)
+                self._release(req)
                 self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
         return False

@@ -57,6 +57,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.fallback_counts: Counter[str] = Counter()
+        self.graph_replays = 0  # decode steps served by the graph runner
         self._init_memory()
         self.attn_backend = create_attention_backend(
             args.resolved_attention_backend, self.allocator, self.context_len)
@@ -144,6 +145,7 @@ class ModelRunner:
         if fb.forward_mode.is_decode() and self.graph_runner is not None:
             reason = self.graph_runner.fallback_reason(fb)
             if reason is None:
+                self.graph_replays += 1
                 return self.graph_runner.replay(fb)
             self._count_fallback(reason)
         return self.forward_eager(fb)

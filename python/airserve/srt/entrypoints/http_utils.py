@@ -1,0 +1,131 @@
+"""Helpers shared by the native and OpenAI endpoints: errors, JSON bodies, SSE, fan-in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError
+
+T = TypeVar("T")
+
+SSE_DONE = b"data: [DONE]\n\n"
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 500: "internal_server_error",
+                503: "service_unavailable"}
+
+
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error shape; SGLang's clients read `error.message` too."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def read_json_object(request: Request) -> dict:
+    """The request body as a JSON object, or RequestError(400) saying what is wrong with it."""
+    raw = await request.body()
+    if not raw.strip():
+        raise RequestError(400, "the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, not "
+                                f"{type(body).__name__}")
+    return body
+
+
+def raise_if_aborted(out: ReqOutput) -> None:
+    """A request the server stopped (KV cache full, shutdown) is an error, not an answer."""
+    reason = out.finished_reason or {}
+    if reason.get("type") == "abort":
+        raise RequestError(503, f"the request was stopped: {reason.get('message', 'aborted')}")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done():
+            raise ClientDisconnected() from None
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave streams of cumulative outputs as (index, item). An item not yet taken is
+    replaced by a newer one from its stream (memory stays bounded when the client reads
+    slowly). An error in any stream is raised here; closing this iterator cancels, and so
+    aborts, all of them."""
+    latest: dict[int, T] = {}
+    finished: set[int] = set()
+    failures: list[Exception] = []
+    wake = asyncio.Event()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                latest[i] = item
+                wake.set()
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            failures.append(e)
+        finally:
+            finished.add(i)
+            wake.set()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if failures:
+                raise failures[0]
+            for i in sorted(latest):
+                if i in latest:
+                    yield i, latest.pop(i)
+            if len(finished) == len(tasks) and not latest:
+                return
+    finally:
+        # No await here: this must also run when the consumer is being cancelled.
+        for task in tasks:
+            task.cancel()
+
+
+async def collect_final(streams: list[AsyncIterator[T]]) -> list[T]:
+    """The last item of each stream, in stream order."""
+    last: list = [None] * len(streams)
+    async for i, item in merge(streams):
+        last[i] = item
+    return last

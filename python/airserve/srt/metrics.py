@@ -1,0 +1,109 @@
+"""Prometheus metrics (`--enable-metrics`, served at `/metrics`), named like SGLang's.
+
+Latencies and token counts are observed in the HTTP process as outputs arrive (what a client
+sees); gauges and graph-runner counters come from the scheduler process's latest stats
+snapshot, read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "airserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 60, 120, 300, 600)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, scheduler_stats: Callable[[], dict]) -> None:
+        disable_created_metrics()  # no `*_created` series: SGLang's dashboards do not use them
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self._requests = Counter(f"{PREFIX}num_requests", "Finished requests, by finish reason",
+                                 labels + ["finish_reason"], registry=r)
+        self._prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished "
+                                      "requests", labels, registry=r)
+        self._generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens of "
+                                          "finished requests", labels, registry=r)
+        self._ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token",
+                               labels, buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between output "
+                              "tokens", labels, buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, end to "
+                              "end", labels, buckets=E2E_BUCKETS, registry=r)
+        self.model_name = model_name
+        r.register(_SchedulerCollector(model_name, scheduler_stats))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.labels(self.model_name).observe(seconds)
+
+    def observe_itl(self, seconds_per_token: float, tokens: int) -> None:
+        child = self._itl.labels(self.model_name)
+        for _ in range(tokens):
+            child.observe(seconds_per_token)
+
+    def observe_finished(self, prompt_tokens: int, completion_tokens: int, e2e_seconds: float,
+                         finish_reason: str) -> None:
+        self._requests.labels(self.model_name, finish_reason).inc()
+        self._prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self._generation_tokens.labels(self.model_name).inc(completion_tokens)
+        self._e2e.labels(self.model_name).observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges and counters read from the scheduler's stats snapshot at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        s = self.stats() or {}
+        name = [self.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        yield gauge("num_running_reqs", "Requests in the running batch",
+                    s.get("num_running_reqs", 0))
+        yield gauge("num_queue_reqs", "Requests waiting to be scheduled",
+                    s.get("num_waiting_reqs", 0))
+        total = s.get("kv_total_tokens", 0)
+        yield gauge("token_usage", "Fraction of KV cache tokens in use",
+                    s.get("kv_used_tokens", 0) / total if total else 0.0)
+        yield gauge("max_total_num_tokens", "KV cache capacity in tokens", total)
+        replays = CounterMetricFamily(PREFIX + "graph_replays", "Decode steps replayed by the "
+                                      "graph runner", labels=["model_name"])
+        replays.add_metric(name, s.get("graph_replays", 0))
+        yield replays
+        fallbacks = CounterMetricFamily(PREFIX + "eager_fallbacks", "Decode steps that ran "
+                                        "eager instead of in the graph runner, by reason",
+                                        labels=["model_name", "reason"])
+        for reason, count in sorted(s.get("eager_fallbacks", {}).items()):
+            fallbacks.add_metric(name + [reason], count)
+        yield fallbacks
+        retractions = CounterMetricFamily(PREFIX + "num_retractions", "Requests retracted to "
+                                          "free KV pages", labels=["model_name"])
+        retractions.add_metric(name, s.get("retractions", 0))
+        yield retractions

@@ -1,0 +1,75 @@
+"""Start `python -m airserve.launch_server` in a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+API_KEY = "test-key"
+# One torch thread: the test machine is small and shared, and spinning OpenMP threads make a
+# tiny model hundreds of times slower there.
+FAST_ARGS = ("--num-threads", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_path: str, *args: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        cmd = [sys.executable, "-m", "airserve.launch_server", "--model-path", model_path,
+               "--port", str(self.port), *FAST_ARGS, *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="airserve-", suffix=".log",
+                                                delete=False)
+        # Own session: a test can signal the server alone, and cleanup can reach stragglers.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ,
+                                                                  "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        with open(self._log.name) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0, **kwargs)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then wait; kill the whole session if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

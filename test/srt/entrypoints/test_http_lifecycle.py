@@ -1,0 +1,174 @@
+"""Disconnects, liveness under load, shutdown and a dead scheduler."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from server_fixture import ServerProcess
+
+LONG = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met in {timeout}s")
+
+
+def server_stats(http) -> dict:
+    info = http.get("/get_server_info").json()
+    return {**info["stats"], "available_kv_tokens": info["available_kv_tokens"],
+            "max_total_tokens": info["max_total_tokens"]}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "Hello", "sampling_params": LONG, "stream": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 480, "temperature": 0,
+                         "ignore_eos": True, "stream": True}),
+    ("/generate", {"text": "Hello", "sampling_params": LONG}),  # not streamed
+])
+def test_disconnect_aborts_and_frees_kv(server, http, path, body):
+    before = server_stats(http)
+    client = httpx.Client(base_url=server.url, headers=server.headers, timeout=30)
+    if body.get("stream"):
+        with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert next(lines) is not None
+            # Mid-stream: the request holds KV now.
+            assert server_stats(http)["num_running_reqs"] == 1
+        client.close()  # drops the connection
+    else:
+        thread = threading.Thread(target=lambda: _swallow(client.post, path, json=body,
+                                                          timeout=0.3))
+        thread.start()
+        wait_for(lambda: server_stats(http)["num_running_reqs"] == 1)
+        thread.join()  # the client gave up after 0.3 s and closed the connection
+        client.close()
+    after = wait_for(lambda: (s := server_stats(http))["num_running_reqs"] == 0 and s)
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 480
+    assert after["available_kv_tokens"] == after["max_total_tokens"]
+
+
+def _swallow(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except httpx.TimeoutException:
+        pass
+
+
+def test_health_is_fast_while_a_batch_decodes(server, http):
+    """Generous bound (0.5 s per /health) for a shared CI machine; typical values are ~ms."""
+    done = threading.Event()
+
+    def batch():
+        with server.client() as c:
+            r = c.post("/generate", json={"text": [f"Hello {i}" for i in range(16)],
+                                          "sampling_params": {**LONG, "max_new_tokens": 300}})
+            assert r.status_code == 200
+        done.set()
+
+    probe = httpx.Client(base_url=server.url, timeout=5)  # one connection, like a balancer
+    assert probe.get("/health").status_code == 200
+    thread = threading.Thread(target=batch)
+    thread.start()
+    wait_for(lambda: server_stats(http)["num_running_reqs"] == 16)
+    latencies = []
+    while not done.is_set() and len(latencies) < 30:
+        t = time.perf_counter()
+        assert probe.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - t)
+        time.sleep(0.02)
+    decoding = server_stats(http)["num_running_reqs"]
+    assert metric(probe, "num_running_reqs") == 16 or done.is_set()
+    thread.join()
+    # The gauges follow the scheduler when it goes idle, not only while it steps.
+    wait_for(lambda: metric(probe, "num_running_reqs") == 0, timeout=2)
+    assert metric(probe, "token_usage") == 0
+    probe.close()
+    assert len(latencies) >= 5, "the batch finished before /health could be measured"
+    latencies.sort()
+    print(f"\n/health while 16 requests decode: max {latencies[-1] * 1e3:.1f} ms, median "
+          f"{latencies[len(latencies) // 2] * 1e3:.1f} ms over {len(latencies)} probes "
+          f"({decoding} still decoding after the last)")
+    assert latencies[-1] < 0.5
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"airserve:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"airserve:{name} not in /metrics")
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, f"orphans left: {[(p.pid, p.name()) for p in alive]}"
+
+
+def test_sigterm_ends_open_streams_and_leaves_no_processes(tiny_llama_dir):
+    srv = ServerProcess(tiny_llama_dir).wait_ready()
+    children = descendants(srv.proc.pid)
+    assert children, "the scheduler should run in a child process"
+    events = []
+    with srv.client() as client:
+        body = {"text": "Hello", "sampling_params": LONG, "stream": True}
+        with client.stream("POST", "/generate", json=body) as r:
+            lines = r.iter_lines()
+            events.append(next(lines))
+            srv.proc.send_signal(signal.SIGTERM)
+            t = time.monotonic()
+            events.extend(line for line in lines if line)  # ends, not hangs
+            ended_after = time.monotonic() - t
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])
+    assert "shutting down" in error["error"]["message"]
+    assert ended_after < 5
+    assert srv.proc.wait(20) == 0, srv.log()
+    assert_all_gone(children)
+    assert "airserve is ready: http://127.0.0.1:" in srv.log()
+
+
+def test_dead_scheduler_fails_requests_and_health(tiny_llama_dir):
+    srv = ServerProcess(tiny_llama_dir).wait_ready()
+    try:
+        with srv.client() as client:
+            scheduler_pid = client.get("/get_server_info").json()["pid"]
+            children = descendants(srv.proc.pid)
+            body = {"text": "Hello", "sampling_params": LONG, "stream": True}
+            with client.stream("POST", "/generate", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(scheduler_pid, signal.SIGKILL)
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and "scheduler" in rest[-2]
+            health = wait_for(lambda: (h := client.get("/health")).status_code == 503 and h)
+            assert "scheduler process died" in health.json()["error"]["message"]
+            for path, req in [("/generate", {"text": "x"}),
+                              ("/v1/completions", {"prompt": "x"}),
+                              ("/v1/chat/completions", {"messages": [
+                                  {"role": "user", "content": "x"}]})]:
+                r = client.post(path, json=req, timeout=5)
+                assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
+            assert client.get("/get_server_info", timeout=5).status_code == 503
+        assert srv.stop() == 0, srv.log()
+        assert_all_gone(children)
+    finally:
+        srv.stop()

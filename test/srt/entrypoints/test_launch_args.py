@@ -1,0 +1,52 @@
+"""`python -m airserve.launch_server` argument handling (no server started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from airserve.launch_server import parse_args
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_sglang_flag_names():
+    args = parse_args(["--model-path", "/m", "--port", "31000", "--host", "0.0.0.0",
+                       "--device", "cpu", "--enable-torch-compile", "--torch-compile-max-bs",
+                       "8", "--cuda-graph-bs", "4", "1", "2", "--mem-fraction-static", "0.3",
+                       "--max-running-requests", "4", "--served-model-name", "m",
+                       "--api-key", "k", "--enable-metrics", "--skip-server-warmup",
+                       "--tp-size", "1", "--trust-remote-code", "--disable-radix-cache"])
+    assert args.model_path == "/m" and args.port == 31000 and args.host == "0.0.0.0"
+    assert args.cuda_graph_bs == (1, 2, 4) and args.torch_compile_max_bs == 8
+    assert args.served_model_name == "m" and args.api_key == "k" and args.enable_metrics
+
+
+def test_defaults():
+    args = parse_args([])
+    assert args.model_path is None  # the default model
+    assert (args.host, args.port) == ("127.0.0.1", 30000)
+
+
+def test_unknown_flag_is_an_error(capsys):
+    assert "unrecognized arguments: --no-such-flag" in refused(["--no-such-flag"], capsys)
+
+
+def test_abbreviations_are_not_accepted(capsys):
+    assert "unrecognized arguments" in refused(["--model-pa", "/m"], capsys)
+
+
+def test_unsupported_sglang_flags_are_named(capsys):
+    err = refused(["--tp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
+    assert "--tp-size 2: tensor parallelism is not supported" in err
+    assert "--enable-lora: LoRA" in err
+    assert "--kv-cache-dtype fp8_e5m2" in err
+
+
+def test_bad_values_name_the_flag(capsys):
+    assert "mem_fraction_static" in refused(["--mem-fraction-static", "2"], capsys)
+    assert "--device" in refused(["--device", "tpu"], capsys)
