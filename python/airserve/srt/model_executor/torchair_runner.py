@@ -1,0 +1,367 @@
+"""Ascend decode graphs through torchair: one `torch.compile`d decode step per batch size.
+
+Standalone (DESIGN.md): it owns its buckets, static inputs, compiled callables and compiler,
+and shares only the bucket schedule with the graph-runner contract. The compiler comes from one
+seam, `get_compile_backend` (torchair's NPU backend on --device npu); tests pass inductor or a
+recording backend to the constructor, and nothing else differs between CPU and NPU.
+
+Every bucket is one graph, compiled once, whatever the live lengths. torchair documents the
+recipe for graphs holding FIA (docs "模型中存在FA算子，如何执行整图静态下沉调度", path 4):
+`dynamic=True` with every tensor input marked static, so tensor shapes are constants while the
+ints of FIA's host list `actual_seq_lengths_kv` stay symbols, i.e. graph inputs. With
+`dynamic=False` those ints are baked in and each new length recompiles (its path 1). In
+ACL-graph mode the same symbols are rewritten on each replay without recapture: torchair's
+`_acl_concrete_graph/acl_graph.py` lists them as FIA's "updated_param_keys". A compile hook
+checks each graph: a tensor input with a symbolic dimension is a capture error.
+
+Inputs of the step (bucket bs): input_ids, positions, out_cache_loc [bs] int64; seq_lens [bs]
+int32 and its host list; the block table [bs, ceil(context_len / page_size)] int32 padded to
+full width; every layer's K and V cache [num_slots, kv_heads, head_dim] (static address, never
+copied). Each bucket compiles its own renamed copy of `DecodeStep.forward`: separate code
+objects keep dynamo's per-code caches and torchair's per-method compile caches apart (as
+vllm-ascend's torchair runner did).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import types
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
+from airserve.srt.model_executor import forward_batch
+from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.model_executor.graph_runner import (
+    GraphCaptureError,
+    dynamo_graph_count,
+    get_batch_size_buckets,
+)
+from airserve.srt.model_executor.torchair_cache import (
+    UNKNOWN,
+    CompileCacheKey,
+    cann_version,
+    model_config_hash,
+    open_bucket_cache,
+    source_hash,
+    torch_npu_version,
+)
+from airserve.srt.model_executor.torchair_compile import (
+    CompileBackend,
+    as_compile_backend,
+    get_compile_backend,
+)
+
+if TYPE_CHECKING:
+    from airserve.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeStep(nn.Module):
+    """The decode step a bucket compiles: explicit inputs in, logits [bs, vocab] out."""
+
+    def __init__(self, model: nn.Module, attn_backend, page_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self.attn_backend = attn_backend
+        self.page_size = page_size
+
+    def forward(self, input_ids, positions, out_cache_loc, seq_lens, seq_lens_host, block_table,
+                k_buffers, v_buffers):
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=input_ids.shape[0], input_ids=input_ids,
+            positions=positions, req_pool_indices=None, seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens_host, out_cache_loc=out_cache_loc,
+            kv_cache=KVCache(k_buffers, v_buffers, self.page_size),
+            attn_backend=self.attn_backend, attn_metadata=block_table,
+        )
+        return self.model(input_ids, positions, fb)
+
+    def method_for(self, bs: int):
+        """`forward` under the name decode_bs{bs}, on its own code object, bound to self."""
+        name = f"decode_bs{bs}"
+        fn = DecodeStep.forward
+        code = fn.__code__.replace(co_name=name)
+        if hasattr(code, "co_qualname"):
+            code = code.replace(co_qualname=f"DecodeStep.{name}")
+        func = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        func.__qualname__ = f"DecodeStep.{name}"
+        return types.MethodType(func, self)
+
+
+class TorchAirRunner:
+    """Compiled decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
+
+    Padded rows [real_bs, bucket) get token 0 at position 0, seq_len 1 (tensor and host list),
+    the dummy KV slot as write slot and a block table of dummy pages.
+    """
+
+    name = "torchair"
+    CAPTURE_RUNS = 2  # the second changes the host lengths: a specialised graph fails here
+
+    def __init__(self, model_runner: ModelRunner,
+                 compile_backend: CompileBackend | str | None = None) -> None:
+        args = model_runner.server_args
+        self.model_runner = model_runner
+        self.attn_backend = model_runner.attn_backend
+        self.kv_cache = model_runner.kv_cache
+        self.buckets = get_batch_size_buckets(args, model_runner.max_running_requests, True)
+        self.max_bs = self.buckets[-1]
+        self.padding = not args.disable_cuda_graph_padding
+        self.compile_backend = (get_compile_backend(args, len(self.buckets))
+                                if compile_backend is None else as_compile_backend(compile_backend))
+        self.backend_name = self.compile_backend.name
+        self.cache_root = args.torchair_cache_dir
+        if self.cache_root and self.compile_backend.cache_compile is None:
+            logger.warning("--torchair-cache-dir ignored: the %s backend has no compile cache",
+                           self.backend_name)
+            self.cache_root = None
+        self.step = DecodeStep(model_runner.model, self.attn_backend, self.kv_cache.page_size)
+        self.compiled: dict[int, object] = {}
+        self.graphs: Counter[int] = Counter()  # graphs compiled per bucket
+        self._compile_ids: set[tuple] = set()
+        self.graphs_at_capture = 0
+        self.symbolic_inputs: dict[int, int] = {}  # symbolic-int graph inputs per bucket
+        self.capture_seconds: dict[int, float] = {}
+        self.memory_bytes = 0
+        self.replay_count = 0
+        self.recompiles = 0
+
+        # Static inputs for the largest bucket; bucket bs reads views [:bs].
+        dev, n = model_runner.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=dev)
+        self.attn_backend.init_graph_state(n)
+        self.batches = {bs: self._static_batch(bs) for bs in self.buckets}
+        for buf in self.kv_cache.k_buffers + self.kv_cache.v_buffers:
+            _mark_static(buf)
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
+            out_cache_loc=self.out_cache_loc[:bs], kv_cache=self.kv_cache,
+            attn_backend=self.attn_backend,
+        )
+        for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.out_cache_loc):
+            _mark_static(t)
+        return fb
+
+    def _inputs(self, fb: ForwardBatch) -> tuple:
+        return (fb.input_ids, fb.positions, fb.out_cache_loc, fb.seq_lens, fb.seq_lens_cpu,
+                fb.attn_metadata, self.kv_cache.k_buffers, self.kv_cache.v_buffers)
+
+    # Capture.
+    @torch.inference_mode()
+    def capture(self) -> None:
+        before = self.memory_in_use()
+        for bs in reversed(self.buckets):  # largest first, as every graph runner
+            start = time.perf_counter()
+            graphs = self.graph_count()
+            try:
+                self._capture_bucket(bs)
+            except Exception as e:
+                raise GraphCaptureError(
+                    f"TorchAirRunner ({self.backend_name}) failed to compile the decode step at "
+                    f"batch size {bs} ({type(e).__name__}: {e}). Try a smaller "
+                    "--torch-compile-max-bs, fewer sizes with --cuda-graph-bs, another "
+                    "--torchair-mode, or drop --enable-torch-compile (NPU graph runner)."
+                ) from e
+            if self.graph_count() - graphs > 1:
+                raise GraphCaptureError(
+                    f"TorchAirRunner recompiled batch size {bs} when only the sequence lengths "
+                    f"changed ({self.graph_count() - graphs} graphs): an input is not static")
+            self.capture_seconds[bs] = time.perf_counter() - start
+        self.graphs_at_capture = self.graph_count()
+        self.memory_bytes = max(0, self.memory_in_use() - before)
+        self.log_report()
+
+    def _capture_bucket(self, bs: int) -> None:
+        fb = self.batches[bs]
+        self.attn_backend.init_forward_metadata_capture(fb, bs)
+        _mark_static(fb.attn_metadata)
+        self.compiled[bs] = self._compile(bs)
+        # Floats in the model (eps, scale) are constants: traced as symbols they are
+        # specialised later, which restarts dynamo's analysis (tracing twice).
+        with torch._dynamo.config.patch(specialize_float=True):
+            for run in range(self.CAPTURE_RUNS):
+                self._set_padding_lens(fb, bs, 1 + run)
+                self.compiled[bs](*self._inputs(fb))
+        self._set_padding_lens(fb, bs, 1)
+
+    def graph_count(self) -> int:
+        """Graphs compiled so far. Through torchair's cache_compile the compile hook is
+        torchair's own, so count dynamo's graphs (a graph loaded from the cache is none)."""
+        return dynamo_graph_count() if self.cache_root else sum(self.graphs.values())
+
+    def _set_padding_lens(self, fb: ForwardBatch, bs: int, length: int) -> None:
+        self.seq_lens[:bs].fill_(length)
+        fb.seq_lens_cpu = [length] * bs
+
+    def _compile(self, bs: int):
+        method = self.step.method_for(bs)
+        if self.cache_root:
+            folder = open_bucket_cache(self.cache_root, self.cache_key(bs))
+            return self.compile_backend.cache_compile(method, folder)
+        return torch.compile(method, backend=self._graph_hook(bs), fullgraph=True, dynamic=True)
+
+    def _graph_hook(self, bs: int):
+        backend = self.compile_backend.backend
+        if isinstance(backend, str):
+            backend = torch._dynamo.lookup_backend(backend)
+
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            # A restarted analysis calls the backend again for the same graph: count compile
+            # ids (frame, compile of that frame), not calls.
+            cid = torch._guards.CompileContext.current_compile_id()
+            key = (bs, cid.frame_id, cid.frame_compile_id) if cid else (bs, len(self._compile_ids))
+            if key not in self._compile_ids:
+                self._compile_ids.add(key)
+                self.graphs[bs] += 1
+            self.symbolic_inputs[bs] = check_static_tensor_inputs(gm, bs)
+            return backend(gm, example_inputs)
+
+        return compile_graph
+
+    def cache_key(self, bs: int) -> CompileCacheKey:
+        mr, buf = self.model_runner, self.kv_cache.k_buffers[0]
+        key = CompileCacheKey(
+            bucket=bs, kv_shape=tuple(buf.shape), kv_dtype=str(buf.dtype),
+            num_layers=len(self.kv_cache.k_buffers), page_size=self.kv_cache.page_size,
+            max_blocks=self.attn_backend.max_blocks,
+            model_path=str(mr.server_args.model_path or "default"),
+            model_config_hash=model_config_hash(mr.model_config),
+            code_hash=source_hash(type(mr.model), type(self.attn_backend), DecodeStep,
+                                  forward_batch),
+            mode=self.compile_backend.mode,
+            compiler_options=repr(sorted(self.compile_backend.options.items())),
+            torch=torch.__version__, torch_npu=torch_npu_version(), cann=cann_version())
+        if mr.device == "npu" and key.cann == UNKNOWN:
+            raise GraphCaptureError(
+                "--torchair-cache-dir needs the CANN version to keep stale graphs out, and it is "
+                "unknown: source CANN's set_env.sh (it sets ASCEND_TOOLKIT_HOME), or drop "
+                "--torchair-cache-dir")
+        return key
+
+    # Replay.
+    def fallback_reason(self, fb: ForwardBatch) -> str | None:
+        """None if `replay(fb)` can run the batch, else why it must run eager."""
+        if not fb.forward_mode.is_decode():
+            return "not a decode batch"
+        if fb.batch_size > self.max_bs:
+            return f"batch size {fb.batch_size} > largest compiled bucket {self.max_bs}"
+        if not self.padding and fb.batch_size not in self.batches:
+            return f"no bucket of exactly {fb.batch_size} (--disable-cuda-graph-padding)"
+        return None
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return self.fallback_reason(fb) is None
+
+    def bucket_for(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        n = fb.batch_size
+        bs = self.bucket_for(n)
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.seq_lens[:n].copy_(fb.seq_lens)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        if bs > n:  # inert padded rows
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.req_pool_indices[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+            self.out_cache_loc[n:bs].fill_(DUMMY_SLOT)
+        static = self.batches[bs]
+        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (bs - n)
+        self.attn_backend.init_forward_metadata_replay(static, bs, n, fb.req_pool_indices)
+        logits = self.compiled[bs](*self._inputs(static))
+        self.replay_count += 1
+        graphs = self.graph_count()
+        if graphs != self.graphs_at_capture + self.recompiles:
+            logger.error("TorchAirRunner recompiled the decode step at batch size %d after "
+                         "capture (%d graphs for %d buckets): an input is not static", bs,
+                         graphs, len(self.buckets))
+            self.recompiles = graphs - self.graphs_at_capture
+        # Compiled outputs may live in graph memory that the next replay overwrites.
+        return logits[:n].clone()
+
+    # Report.
+    def memory_in_use(self) -> int:
+        if self.model_runner.device == "npu":
+            torch.npu.synchronize()
+            free, total = torch.npu.mem_get_info()
+            return total - free
+        try:
+            import psutil
+        except ImportError:
+            return 0
+        return psutil.Process().memory_info().rss
+
+    def report(self) -> dict:
+        return {
+            "runner": type(self).__name__,
+            "backend": self.backend_name,
+            "buckets": list(self.buckets),
+            "padding": self.padding,
+            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
+            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
+            "memory_bytes": self.memory_bytes,
+            "replay_count": self.replay_count,
+            "graphs_per_bucket": dict(sorted(self.graphs.items())),
+            "symbolic_inputs_per_bucket": dict(sorted(self.symbolic_inputs.items())),
+            "recompiles_since_capture": self.recompiles,
+            "compile_cache": self.cache_root,
+        }
+
+    def log_report(self) -> None:
+        r = self.report()
+        per_bucket = ", ".join(f"{bs}: {s:.2f}s" for bs, s in r["capture_seconds"].items())
+        logger.info(
+            "decode graph runner ready\n  runner: %s (compile backend: %s)\n  buckets: %s%s\n"
+            "  compile time per bucket: %s\n  compile total: %.1fs, memory taken: %.1f MiB\n"
+            "  compile cache: %s",
+            r["runner"], r["backend"], r["buckets"], "" if self.padding else " (no padding)",
+            per_bucket, r["capture_seconds_total"], r["memory_bytes"] / 2**20,
+            r["compile_cache"] or "off",
+        )
+
+
+def _mark_static(t: torch.Tensor) -> None:
+    """Fixed shape (no symbolic dims, no recompiles) and fixed address (graph backends use the
+    tensor in place instead of copying it into graph memory each replay). A view's base too:
+    dynamo traces the base of a view input, and would make its size a symbol."""
+    for x in (t, t._base) if t._base is not None else (t,):
+        torch._dynamo.mark_static(x)
+        torch._dynamo.mark_static_address(x)
+
+
+def check_static_tensor_inputs(gm: torch.fx.GraphModule, bs: int) -> int:
+    """Raise if a tensor input of the graph has a symbolic dimension; return how many inputs
+    are symbolic ints (the host seq lengths, when the attention backend reads them)."""
+    symbolic = 0
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.SymInt):
+            symbolic += 1
+        elif isinstance(value, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in value.shape):
+            raise GraphCaptureError(
+                f"decode graph input {node.name} of batch size {bs} has symbolic shape "
+                f"{tuple(value.shape)}: it would make the graph dynamic; mark it static")
+    return symbolic

@@ -1,0 +1,86 @@
+"""Drive a ModelRunner request by request, so two runners can be fed the same steps."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.model_executor.model_runner import ModelRunner
+from airserve.srt.server_args import ServerArgs
+
+
+def make_runner(model_path: str, runner_from: ModelRunner | None = None, **kwargs) -> ModelRunner:
+    """A runner over `model_path`; with `runner_from`, one that shares its model object."""
+    args = ServerArgs(model_path=model_path, max_total_tokens=2048, max_running_requests=8,
+                      **kwargs)
+    if runner_from is None:
+        return ModelRunner(args)
+    return ModelRunner(args, model_config=runner_from.model_config, model=runner_from.model)
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class Requests:
+    """Requests prefilled on one runner and stepped one decode token at a time."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner = runner
+        alloc, pool = runner.allocator, runner.req_to_token_pool
+        self.slots = [pool.allocate() for _ in prompts]
+        locs = [alloc.allocate(s, 0, len(p)) for s, p in zip(self.slots, prompts)]
+        self.lens = [len(p) for p in prompts]
+        last = [n - 1 for n in itertools.accumulate(self.lens)]
+        fb = runner.make_forward_batch(
+            ForwardMode.EXTEND, input_ids=[t for p in prompts for t in p],
+            positions=[i for p in prompts for i in range(len(p))],
+            req_pool_indices=self.slots, seq_lens=self.lens, out_cache_loc=torch.cat(locs),
+            extend_seq_lens=self.lens, extend_prefix_lens=[0] * len(prompts),
+            last_token_indices=last,
+        )
+        self.prefill_logits = runner.forward(fb)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One decode step feeding `tokens` (one per request): logits [bs, vocab]."""
+        alloc = self.runner.allocator
+        locs = [alloc.allocate(s, n, n + 1) for s, n in zip(self.slots, self.lens)]
+        fb = self.runner.make_forward_batch(
+            ForwardMode.DECODE, input_ids=tokens, positions=self.lens,
+            req_pool_indices=self.slots, seq_lens=[n + 1 for n in self.lens],
+            out_cache_loc=torch.cat(locs),
+        )
+        self.lens = [n + 1 for n in self.lens]
+        return self.runner.forward(fb)
+
+    def release(self) -> None:
+        for slot, n in zip(self.slots, self.lens):
+            self.runner.allocator.free(slot, n)
+            self.runner.req_to_token_pool.free(slot)
+
+
+def zero_kv(runner: ModelRunner) -> None:
+    for buf in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers:
+        buf.zero_()
+
+
+def run_side_by_side(graph: ModelRunner, eager: ModelRunner, prompts: list[list[int]],
+                     steps: int):
+    """Prefill and decode `steps` tokens on both runners, feeding both eager's greedy tokens.
+
+    Returns (graph logits [steps, bs, vocab], eager logits, graph greedy tokens, eager greedy
+    tokens); leaves the requests' KV in both pools until `release` of the returned handles."""
+    reqs = (Requests(graph, prompts), Requests(eager, prompts))
+    tokens = reqs[1].prefill_logits.argmax(-1).tolist()
+    out_g, out_e = [], []
+    for _ in range(steps):
+        lg = reqs[0].decode(tokens)
+        le = reqs[1].decode(tokens)
+        out_g.append(lg)
+        out_e.append(le)
+        tokens = le.argmax(-1).tolist()
+    g, e = torch.stack(out_g), torch.stack(out_e)
+    return g, e, g.argmax(-1), e.argmax(-1), reqs
