@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from server_fixture import ServerProcess  # noqa: E402
+from server_utils import ServerProcess
 
 # Enough KV for 32 requests at the tiny model's full context (512).
 SERVER_ARGS = ("--enable-metrics", "--max-total-tokens", "16384", "--max-running-requests", "32")

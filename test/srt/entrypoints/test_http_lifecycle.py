@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_fixture import ServerProcess
+from server_utils import ServerProcess
 
 LONG = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
 
