@@ -1,0 +1,253 @@
+"""The decode graph-runner contract: capture the decode step once per batch size, then replay.
+
+A subclass says only how to capture one bucket (`capture_bucket`) and how to run it
+(`replay_bucket`). Everything else lives here: bucket choice, static input buffers sized for the
+largest bucket, padding rows so they are inert (they write only the dummy KV slot), output
+slicing, fallback rules, the start-up report and the one capture error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
+from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from airserve.srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from airserve.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Largest captured batch when --cuda-graph-max-bs is unset (capped by --max-running-requests).
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+
+
+def default_buckets(max_bs: int) -> list[int]:
+    """SGLang's schedule: 1, 2, 4, 8, 12, then every 8 from 16; `max_bs` itself always."""
+    sizes = [1, 2, 4, 8, 12] + list(range(16, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def power_of_two_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, ... and `max_bs`: for runners whose every bucket is a slow compile."""
+    sizes = [1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs]
+    return sorted(set(sizes) | {max_bs})
+
+
+def get_batch_size_buckets(server_args: ServerArgs, max_running_requests: int,
+                           compile_runner: bool = False,
+                           schedule: Callable[[int], list[int]] = default_buckets) -> list[int]:
+    """Sorted batch sizes to capture.
+
+    `--cuda-graph-bs` overrides the schedule; otherwise `schedule` up to `--cuda-graph-max-bs`
+    (`--torch-compile-max-bs` for runners that compile every bucket).
+    Never above `max_running_requests`: no batch can be larger.
+    """
+    if server_args.cuda_graph_bs:
+        sizes = [s for s in server_args.cuda_graph_bs if s <= max_running_requests]
+        dropped = sorted(set(server_args.cuda_graph_bs) - set(sizes))
+        if dropped:
+            logger.warning("--cuda-graph-bs %s exceed --max-running-requests %d: not captured",
+                           dropped, max_running_requests)
+        return sizes or [max_running_requests]
+    if compile_runner:
+        max_bs = server_args.torch_compile_max_bs
+    else:
+        max_bs = server_args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
+    return schedule(min(max_bs, max_running_requests))
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+# Helpers for runners that torch.compile their buckets.
+def configure_compile_cache(cache_dir: str | None) -> None:
+    """Point inductor's on-disk caches (FX graphs, compiled C++) at `cache_dir`.
+
+    Must run before the first compile: inductor reads the directory once. Restarts with the
+    same directory skip code generation and the C++ compiler.
+    """
+    if cache_dir is None:
+        return
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    os.makedirs(cache_dir, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+
+
+def raise_recompile_limit(num_graphs: int) -> None:
+    """Let dynamo keep `num_graphs` compiled entries of one function (default 8)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), num_graphs))
+    limit = dynamo_config.accumulated_recompile_limit
+    dynamo_config.accumulated_recompile_limit = max(limit, 4 * num_graphs)
+
+
+def dynamo_graph_count() -> int:
+    """Graphs dynamo has compiled in this process: it grows on every (re)compile."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class GraphRunner(ABC):
+    """Captured decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
+
+    Padded rows [real_bs, bucket) get token 0 at position 0, seq_len 1, the dummy KV slot as
+    their write slot and a block table of dummy pages: they read and write only the dummy page.
+    """
+
+    name = "graph"
+    compile_runner = False  # buckets go up to --torch-compile-max-bs, not --cuda-graph-max-bs
+    schedule = staticmethod(default_buckets)  # default bucket sizes up to a max
+    outputs_reused = False  # the captured output buffer is overwritten by the next replay
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        self.model_runner = model_runner
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        self.kv_cache = model_runner.kv_cache
+        args = model_runner.server_args
+        self.backend_name = args.resolved_compile_backend if args.enable_torch_compile else "none"
+        self.buckets = get_batch_size_buckets(args, model_runner.max_running_requests,
+                                              self.compile_runner, self.schedule)
+        self.max_bs = self.buckets[-1]
+        self.padding = not args.disable_cuda_graph_padding
+        self.capture_seconds: dict[int, float] = {}
+        self.memory_bytes = 0
+        self.replay_count = 0
+
+        # Static inputs for the largest bucket; a bucket of size bs reads views [:bs].
+        dev, n = model_runner.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=dev)
+        self.attn_backend.init_graph_state(n)
+        self.batches = {bs: self._static_batch(bs) for bs in self.buckets}
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
+            out_cache_loc=self.out_cache_loc[:bs], kv_cache=self.kv_cache,
+            attn_backend=self.attn_backend,
+        )
+
+    # Capture.
+    @abstractmethod
+    def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        """Capture (or compile) the decode step for the static batch `fb` of `bs` rows."""
+
+    @abstractmethod
+    def replay_bucket(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        """Run bucket `bs` on the current contents of the static inputs: logits [bs, vocab]."""
+
+    def memory_in_use(self) -> int:
+        """Bytes in use on the device, for the capture report (host RSS on CPU)."""
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def forward_static(self, fb: ForwardBatch) -> torch.Tensor:
+        """The eager decode step over a static batch: what subclasses capture or compile."""
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        before = self.memory_in_use()
+        for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
+            fb = self.batches[bs]
+            self.attn_backend.init_forward_metadata_capture(fb, bs)
+            start = time.perf_counter()
+            try:
+                self.capture_bucket(bs, fb)
+            except Exception as e:
+                raise GraphCaptureError(
+                    f"{type(self).__name__} failed to capture the decode step at batch size "
+                    f"{bs} ({type(e).__name__}: {e}). Try a smaller --cuda-graph-max-bs "
+                    "(--torch-compile-max-bs for compiled runners), fewer sizes with "
+                    "--cuda-graph-bs, --disable-cuda-graph, or drop --enable-torch-compile."
+                ) from e
+            self.capture_seconds[bs] = time.perf_counter() - start
+        self.memory_bytes = max(0, self.memory_in_use() - before)
+        self.log_report()
+
+    # Replay.
+    def fallback_reason(self, fb: ForwardBatch) -> str | None:
+        """None if `replay(fb)` can run the batch, else why it must run eager."""
+        if not fb.forward_mode.is_decode():
+            return "not a decode batch"
+        if fb.batch_size > self.max_bs:
+            return f"batch size {fb.batch_size} > largest captured bucket {self.max_bs}"
+        if not self.padding and fb.batch_size not in self.batches:
+            return f"no bucket of exactly {fb.batch_size} (--disable-cuda-graph-padding)"
+        return None
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return self.fallback_reason(fb) is None
+
+    def bucket_for(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        n = fb.batch_size
+        bs = self.bucket_for(n)
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.seq_lens[:n].copy_(fb.seq_lens)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        if bs > n:  # inert padded rows
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.req_pool_indices[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+            self.out_cache_loc[n:bs].fill_(DUMMY_SLOT)
+        static = self.batches[bs]
+        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (bs - n)
+        self.attn_backend.init_forward_metadata_replay(static, bs, n, fb.req_pool_indices)
+        logits = self.replay_bucket(bs, static)
+        self.replay_count += 1
+        return logits[:n].clone() if self.outputs_reused else logits[:n]
+
+    # Report.
+    def report(self) -> dict:
+        return {
+            "runner": type(self).__name__,
+            "backend": self.backend_name,
+            "buckets": list(self.buckets),
+            "padding": self.padding,
+            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
+            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
+            "memory_bytes": self.memory_bytes,
+            "replay_count": self.replay_count,
+        }
+
+    def log_report(self) -> None:
+        r = self.report()
+        per_bucket = ", ".join(f"{bs}: {s:.2f}s" for bs, s in r["capture_seconds"].items())
+        logger.info(
+            "decode graph runner ready\n  runner: %s (compile backend: %s)\n  buckets: %s%s\n"
+            "  capture time per bucket: %s\n  capture total: %.1fs, memory taken: %.1f MiB",
+            r["runner"], r["backend"], r["buckets"], "" if self.padding else " (no padding)",
+            per_bucket, r["capture_seconds_total"], r["memory_bytes"] / 2**20,
+        )

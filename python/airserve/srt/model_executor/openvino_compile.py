@@ -1,0 +1,252 @@
+"""torch.compile(backend="openvino") with the weights frozen and no silent fallback.
+
+The stock backend (openvino 2026.4) hides failures: a conversion error makes it return an
+inductor-compiled graph, an unsupported op leaves part of the graph in PyTorch, and a run-time
+error switches a partition to eager PyTorch for good, each logged at debug level only.
+`OpenVINOCompiler` wraps the stock backend, records what it produced and `verify()` raises
+`OpenVINOFallbackError` with the reason unless the whole graph runs in one OpenVINO model.
+
+It also turns the weights into constants of the OpenVINO model (dynamo passes them as graph
+inputs): with constant weights the CPU plugin pre-packs them once, and a bf16/f16 precision hint
+converts them at compile time instead of on every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import operator
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+OPENVINO_VERSION = "2026.4.1"
+OPENVINO_INSTALL_HINT = (
+    f"install it with `pip install openvino=={OPENVINO_VERSION}` (or the extra: "
+    "`pip install airserve[openvino]`)"
+)
+PRECISION_HINTS = {"f32": "f32", "bf16": "bf16", "f16": "f16"}
+_BACKEND_LOGGERS = ("openvino.frontend.pytorch.torchdynamo.backend",
+                    "openvino.frontend.pytorch.torchdynamo.execute")
+
+
+class OpenVINOFallbackError(RuntimeError):
+    """A graph compiled for OpenVINO would run (partly) outside OpenVINO."""
+
+
+def require_openvino():
+    """Import openvino or raise one error saying how to install it."""
+    try:
+        import openvino
+    except ImportError as e:
+        raise RuntimeError(f"--torch-compile-backend openvino needs the openvino package "
+                           f"({e}); {OPENVINO_INSTALL_HINT}") from e
+    return openvino
+
+
+def compile_options(device: str, precision: str, num_threads: int | None,
+                    cache_dir: str | None, disabled_ops: Iterable[str] = ()) -> dict:
+    """`options` for torch.compile(backend="openvino"): the plugin config for one decode step.
+
+    `cache_dir` is OpenVINO's compiled-blob cache (CACHE_DIR), which skips the plugin compile on
+    a restart. The backend's own `model_caching` stays off: in openvino 2026.4.1 a process that
+    finds its cached model fails to load it (UnboundLocalError on `decoder` in
+    `openvino_compile`) and the backend silently runs the graph in eager PyTorch.
+    """
+    config = {
+        "INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision],
+        "PERFORMANCE_HINT": "LATENCY",  # one request at a time, lowest latency
+        "NUM_STREAMS": "1",
+    }
+    if num_threads is not None:
+        config["INFERENCE_NUM_THREADS"] = str(num_threads)
+    if cache_dir is not None:
+        config["CACHE_DIR"] = cache_dir
+    # aot_autograd: its path turns module buffers (the frozen weights) into OpenVINO constants.
+    # The graph mutates no input, so it adds no copy-back of the KV pool. (The stock backend
+    # keeps the options of its last aot_autograd compile in a module global.)
+    options = {"device": device, "config": config, "model_caching": False, "aot_autograd": True}
+    if disabled_ops:
+        options["disabled_ops"] = list(disabled_ops)
+    return options
+
+
+@contextlib.contextmanager
+def _backend_debug_records() -> Iterator[list[logging.LogRecord]]:
+    """Collect the stock backend's debug records (where it logs why it fell back)."""
+    # Imported first: importing it resets its logger's level.
+    import openvino.frontend.pytorch.torchdynamo.backend  # noqa: F401
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Collect(logging.DEBUG)
+    saved = []
+    for name in _BACKEND_LOGGERS:
+        log = logging.getLogger(name)
+        saved.append((log, log.level, log.propagate))
+        log.setLevel(logging.DEBUG)
+        log.propagate = False
+        log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for log, level, propagate in saved:
+            log.removeHandler(handler)
+            log.setLevel(level)
+            log.propagate = propagate
+
+
+def _reason(records: list[logging.LogRecord]) -> str:
+    failures = [r.getMessage() for r in records if "fail" in r.getMessage().lower()]
+    return failures[-1].strip() if failures else "no reason logged by the openvino backend"
+
+
+def _unpacks_partition(node: torch.fx.Node) -> bool:
+    """`getitem` taking one output of a multi-output OpenVINO partition: no computation."""
+    return (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].op == "call_module")
+
+
+class OpenVINOCompiler:
+    """A dynamo backend for one decode graph: freezes `frozen` tensors (the model's weights) into
+    constants, hands the graph to the stock "openvino" backend and keeps what it produced."""
+
+    def __init__(self, options: dict, frozen: Iterable[torch.Tensor]) -> None:
+        self.options = options
+        self._frozen = {t.data_ptr(): t for t in frozen}
+        self.fused = None  # the partitioned torch.fx module the stock backend runs
+        self.num_constants = 0
+        self.calls = 0
+        self.records: list[logging.LogRecord] = []
+        self.partition = None  # the OpenVINO-run submodule of `fused`, once verified
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.calls += 1  # more than one: dynamo recompiled this graph
+        # A copy: dynamo checks the module it traced against its own attribute sources.
+        gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        keep = self._freeze(gm, example_inputs)
+        compiled = lookup_backend("openvino")(gm, [example_inputs[i] for i in keep],
+                                              options=self.options)
+
+        def run(*args):
+            return compiled(*[args[i] for i in keep])
+
+        return run
+
+    def _freeze(self, gm: torch.fx.GraphModule, example_inputs: list) -> list[int]:
+        """Turn placeholders fed by frozen tensors into module constants; returns the indices of
+        the inputs that stay graph inputs."""
+        keep = []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+            tensor = self._frozen.get(value.data_ptr()) if isinstance(value, torch.Tensor) else None
+            if tensor is None or tensor.shape != value.shape:
+                keep.append(i)
+                continue
+            name = f"_frozen_{self.num_constants}"
+            self.num_constants += 1
+            gm.register_buffer(name, tensor.detach())
+            with gm.graph.inserting_before(node):
+                const = gm.graph.get_attr(name)
+            const.meta.update(node.meta)
+            node.replace_all_uses_with(const)
+            gm.graph.erase_node(node)
+        gm.graph.lint()
+        gm.recompile()
+        return keep
+
+    def first_run(self, fn: Callable, *args, device: str):
+        """Run `fn` (torch.compile'd with this backend) for the first time, which compiles it,
+        and verify the result ran in OpenVINO; returns fn's outputs."""
+        from openvino.frontend.pytorch.torchdynamo import execute
+
+        before = set(execute.partitioned_modules)
+        with _backend_debug_records() as records:
+            try:
+                out = fn(*args)
+            except Exception as e:
+                # E.g. the backend's inductor fallback failing after a conversion error.
+                raise OpenVINOFallbackError(
+                    f"OpenVINO could not compile the decode graph ({_reason(records)}; then "
+                    f"{type(e).__name__}: {e})") from e
+        self.records = records
+        # The stock backend registers the partitioned module it runs on its first call.
+        new = [m for k, m in execute.partitioned_modules.items() if k not in before]
+        self.fused = new[0] if len(new) == 1 else None
+        self.verify(device)
+        return out
+
+    def verify(self, device: str) -> None:
+        """Raise OpenVINOFallbackError unless the graph ran as one OpenVINO model on `device`.
+
+        Call after the first run (the stock backend compiles its OpenVINO model lazily).
+        """
+        from openvino.frontend.pytorch.torchdynamo import execute
+
+        if not isinstance(self.fused, torch.fx.GraphModule):
+            raise OpenVINOFallbackError(
+                "the openvino backend did not run the decode graph: it could not convert it and "
+                f"compiled it with inductor instead ({_reason(self.records)})")
+        outside = sorted({str(n.target) for n in self.fused.graph.nodes
+                          if n.op in ("call_function", "call_method")
+                          and not _unpacks_partition(n)})
+        parts = [m for name, m in self.fused.named_children() if name.startswith("fused_")]
+        if outside or len(parts) != 1:
+            raise OpenVINOFallbackError(
+                f"OpenVINO runs only part of the decode graph ({len(parts)} OpenVINO "
+                f"partition(s)); these ops would run in PyTorch: {', '.join(outside) or 'none'}")
+        part = parts[0]
+        if not isinstance(part, execute.OpenVINOGraphModule):
+            raise OpenVINOFallbackError("the decode graph has not run through OpenVINO yet")
+        self.check_not_fallen_back(part)
+        compiled = execute.compiled_cache.get(part.partition_id)
+        if compiled is None:
+            raise OpenVINOFallbackError("no OpenVINO compiled model for the decode graph")
+        ran_on = list(compiled.get_property("EXECUTION_DEVICES"))
+        if not any(d == device or d.startswith(device + ".") or device.startswith(d)
+                   for d in ran_on):
+            raise OpenVINOFallbackError(f"OpenVINO ran the graph on {ran_on}, not on {device}")
+        self.partition = part
+
+    def check_not_fallen_back(self, part=None) -> None:
+        """Cheap per-step check: the stock backend switches to eager PyTorch after any run-time
+        error in OpenVINO, without raising."""
+        part = part if part is not None else self.partition
+        if part.perm_fallback:
+            raise OpenVINOFallbackError(
+                "OpenVINO failed to run the decode graph and the openvino backend switched it to "
+                f"eager PyTorch ({_reason(self.records)})")
+
+    @property
+    def compiled_model(self):
+        from openvino.frontend.pytorch.torchdynamo import execute
+
+        return execute.compiled_cache[self.partition.partition_id]
+
+    def pool_input_consumers(self, num_slots: int) -> list[str]:
+        """Layer types reading the KV-pool inputs (first dim `num_slots`) in the compiled model.
+
+        Only gathers keep the cost per step independent of the pool size; anything else (say a
+        multiply OpenVINO moved in front of a gather) touches the whole pool every step.
+        """
+        runtime = self.compiled_model.get_runtime_model()
+        types = []
+        for param in runtime.get_parameters():
+            shape = param.get_output_partial_shape(0)
+            if shape.rank.get_length() != 3 or shape[0].get_length() != num_slots:
+                continue
+            for out in param.outputs():
+                for target in out.get_target_inputs():
+                    info = target.get_node().get_rt_info()
+                    types.append(info["layerType"].astype(str) if "layerType" in info
+                                 else target.get_node().get_type_name())
+        return types

@@ -1,0 +1,209 @@
+"""Decode graphs compiled by OpenVINO (Intel CPU, GPU, NPU): one per (batch size, KV length).
+
+Two bucket dimensions. Batch size, as in every runner (powers of two by default). KV length: a
+graph gathers a fixed number of cached tokens per row, `kv_len` = block-table columns * page
+size, from a ladder 256, 512, 1024, ... up to the context length; a step runs the smallest
+graph whose `kv_len` covers the longest live sequence. So the work per step follows the live
+context (within 2x), never the context length or the KV pool size. The KV pool is a graph input
+that OpenVINO reads in place (only through gathers; `_check_pool_reads` warns otherwise).
+
+The graph never writes the cache (OpenVINO loses in-place writes): it attends over the cached
+tokens plus the new token's K/V and returns the new K/V, which `replay_bucket` writes at
+`out_cache_loc` after the call (padded rows write the dummy slot). Outputs live in OpenVINO's
+buffers, reused by the next call: the K/V are copied into the cache and the logits cloned.
+
+Compile cost: each graph is a full trace and OpenVINO compile (~25 s for the default model on 2
+cores) and holds its own copy of the packed weights (~0.8 GB in f32). Start-up compiles every
+batch bucket at the smallest KV length, so short contexts never stall; a longer KV length is
+compiled the first time a batch needs it (one stall per pair, logged, verified and reported).
+Compiling every pair eagerly would cost (buckets x KV lengths) compiles and copies of the
+weights, most of them never used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import types
+
+import torch
+
+from airserve.srt.layers.attention.openvino_backend import (
+    OpenVINOAttnBackend,
+    OpenVINODecodeMetadata,
+)
+from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.model_executor.graph_runner import (
+    GraphRunner,
+    power_of_two_buckets,
+    raise_recompile_limit,
+)
+from airserve.srt.model_executor.openvino_compile import (
+    OpenVINOCompiler,
+    compile_options,
+    require_openvino,
+)
+
+logger = logging.getLogger(__name__)
+
+SMALLEST_KV_LEN = 256
+
+
+def kv_len_buckets(context_len: int, page_size: int,
+                   smallest: int = SMALLEST_KV_LEN) -> list[int]:
+    """KV-length buckets in block-table columns: 256, 512, ... tokens (rounded up to whole
+    pages), always ending at the full context."""
+    max_blocks = -(-context_len // page_size)
+    blocks, n = [], smallest
+    while n < context_len:
+        blocks.append(-(-n // page_size))
+        n *= 2
+    return sorted(set(blocks) | {max_blocks})
+
+
+class OpenVINORunner(GraphRunner):
+    name = "openvino"
+    compile_runner = True
+    schedule = staticmethod(power_of_two_buckets)  # every bucket is a slow compile
+    outputs_reused = True  # logits live in OpenVINO's output buffer
+    disabled_ops: tuple[str, ...] = ()  # ops kept out of OpenVINO (tests force a fallback)
+
+    def __init__(self, model_runner) -> None:
+        args = model_runner.server_args
+        require_openvino()
+        from airserve.devices import check_openvino_device
+
+        self.ov_device = check_openvino_device(args.openvino_device)
+        self.options = compile_options(
+            self.ov_device, args.openvino_precision,
+            args.openvino_num_threads or args.num_threads, args.openvino_cache_dir,
+            disabled_ops=self.disabled_ops)
+        if args.openvino_cache_dir:
+            logger.info("--openvino-cache-dir %s: OpenVINO's compiled-blob cache (CACHE_DIR); "
+                        "the backend's model_caching stays off (in openvino 2026.4.1 its cached "
+                        "path fails on load and silently runs eager PyTorch)",
+                        args.openvino_cache_dir)
+        self.page_size = model_runner.kv_cache.page_size
+        self.kv_blocks = kv_len_buckets(model_runner.context_len, self.page_size,
+                                        SMALLEST_KV_LEN)
+        self.ov_attn = OpenVINOAttnBackend(model_runner.allocator, model_runner.context_len)
+        self.frozen = list(model_runner.model.parameters()) + list(model_runner.model.buffers())
+        # (bs, kv_blocks) -> (compiled step, its OpenVINOCompiler)
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.warned_pool_reads = False
+        super().__init__(model_runner)
+
+    # The compiled region: inputs are explicit, nothing is written.
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        """Logits [bs, vocab] float32 and the new K/V [2 * layers, bs, KVH, D] (K then V)."""
+        meta = OpenVINODecodeMetadata(block_table, seq_lens)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=input_ids.shape[0],
+            input_ids=input_ids, positions=positions, req_pool_indices=None,
+            seq_lens=seq_lens, seq_lens_cpu=[], out_cache_loc=None,  # the graph never writes
+            kv_cache=KVCache(k_caches, v_caches, self.page_size),
+            attn_backend=self.ov_attn, attn_metadata=meta,
+        )
+        logits = self.model(input_ids, positions, fb)
+        return logits, torch.stack(meta.new_k + meta.new_v)
+
+    def _decode_step_copy(self, bs: int, kv_blocks: int):
+        """`decode_step` bound to self, with its own code object: dynamo keeps compiled graphs
+        per code object, so each graph gets a cache of one entry (no walk over every graph's
+        guards per step, no shared recompile limit; vllm-ascend does the same for torchair)."""
+        code = OpenVINORunner.decode_step.__code__
+        func = types.FunctionType(code.replace(co_name=f"decode_step_bs{bs}_kv{kv_blocks}"),
+                                  OpenVINORunner.decode_step.__globals__)
+        return types.MethodType(func, self)
+
+    def _inputs(self, fb: ForwardBatch, kv_blocks: int) -> tuple:
+        # fb.attn_metadata: the [bs, max_blocks] block table the replay hook filled.
+        table = fb.attn_metadata[:, :kv_blocks].contiguous()
+        return (fb.input_ids, fb.positions, fb.seq_lens, table, self.kv_cache.k_buffers,
+                self.kv_cache.v_buffers)
+
+    # Capture.
+    def capture(self) -> None:
+        raise_recompile_limit(len(self.buckets) * len(self.kv_blocks) + 1)
+        super().capture()
+
+    def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        self._compile(bs, self.kv_blocks[0], fb)
+
+    def _compile(self, bs: int, kv_blocks: int, fb: ForwardBatch):
+        compiler = OpenVINOCompiler(self.options, self.frozen)
+        fn = torch.compile(self._decode_step_copy(bs, kv_blocks), backend=compiler,
+                           fullgraph=True, dynamic=False)
+        start = time.perf_counter()
+        out = compiler.first_run(fn, *self._inputs(fb, kv_blocks), device=self.ov_device)
+        self.compile_seconds[(bs, kv_blocks)] = time.perf_counter() - start
+        self.graphs[(bs, kv_blocks)] = (fn, compiler)
+        self._check_pool_reads(compiler)
+        logger.info("OpenVINO decode graph bs=%d kv_len=%d compiled in %.1fs (%s, %s)",
+                    bs, kv_blocks * self.page_size, self.compile_seconds[(bs, kv_blocks)],
+                    self.ov_device, self.options["config"]["INFERENCE_PRECISION_HINT"])
+        return out
+
+    def _check_pool_reads(self, compiler: OpenVINOCompiler) -> None:
+        """Warn (once) if OpenVINO touches the whole KV pool each step, not just gathers from
+        it. Seen with a precision hint below the pool's dtype (bf16 over a float32 pool): the
+        plugin converts the pool to that precision before the gather, every step. (bf16
+        tensors cannot be graph inputs: the backend hands inputs over as numpy arrays.)"""
+        readers = set(compiler.pool_input_consumers(self.model_runner.kv_pool.num_slots))
+        if readers <= {"Gather"} or self.warned_pool_reads:
+            return
+        self.warned_pool_reads = True
+        pool_mib = self.model_runner.kv_pool.memory_bytes() / 2**20
+        logger.warning(
+            "OpenVINO reads the whole KV pool (%.0f MiB) every decode step (%s before the "
+            "gathers, precision hint %s): step time grows with --max-total-tokens. Use "
+            "--openvino-precision f32, or --dtype float16 with --openvino-precision f16 "
+            "(a float16 pool is read in place), or a small --max-total-tokens.", pool_mib,
+            ", ".join(sorted(readers - {"Gather"})),
+            self.options["config"]["INFERENCE_PRECISION_HINT"])
+
+    # Replay.
+    def kv_blocks_for(self, max_seq_len: int) -> int:
+        """The smallest KV bucket holding `max_seq_len - 1` cached tokens."""
+        need = -(-max(max_seq_len - 1, 1) // self.page_size)
+        return self.kv_blocks[bisect.bisect_left(self.kv_blocks, need)]
+
+    def replay_bucket(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        kv_blocks = self.kv_blocks_for(max(fb.seq_lens_cpu))
+        graph = self.graphs.get((bs, kv_blocks))
+        if graph is None:
+            logger.info("decode batch needs KV length %d at bs=%d: compiling it now",
+                        kv_blocks * self.page_size, bs)
+            logits, new_kv = self._compile(bs, kv_blocks, fb)
+        else:
+            fn, compiler = graph
+            # Each graph has its own code object and fixed input shapes: there is no other
+            # cache entry for guards to choose, and evaluating them all (every weight and KV
+            # buffer) costs ~1 ms a step on 2 cores.
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                logits, new_kv = fn(*self._inputs(fb, kv_blocks))
+            compiler.check_not_fallen_back()
+        self._write_kv(new_kv, fb.out_cache_loc)
+        return logits
+
+    def _write_kv(self, new_kv: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """new_kv: [2 * layers, bs, KVH, D], OpenVINO's buffer; copied into the cache here."""
+        for i, buf in enumerate(self.kv_cache.k_buffers + self.kv_cache.v_buffers):
+            buf.index_copy_(0, out_cache_loc, new_kv[i].to(buf.dtype))
+
+    # Report.
+    def report(self) -> dict:
+        report = super().report()
+        report.update(
+            openvino_device=self.ov_device,
+            openvino_precision=self.options["config"]["INFERENCE_PRECISION_HINT"],
+            kv_len_buckets=[b * self.page_size for b in self.kv_blocks],
+            compiled_graphs={f"{bs}x{kv * self.page_size}": round(s, 3)
+                             for (bs, kv), s in sorted(self.compile_seconds.items())},
+            recompiles=sum(c.calls - 1 for _, c in self.graphs.values()),
+        )
+        return report

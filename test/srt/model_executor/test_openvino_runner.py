@@ -1,0 +1,273 @@
+"""OpenVINORunner against eager decode on a tiny model; the default model's greedy ids.
+
+OpenVINO's CPU device is real here. Compiling is slow on small machines, so the runners are
+module-scoped: one eager and one OpenVINO runner per page size, buckets (1, 4), KV-length
+buckets 32, 64, 128, ... so 30 decode steps cross KV buckets as well as page boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.model_executor.graph_runner import GraphCaptureError
+from airserve.srt.model_executor.model_runner import ModelRunner
+from airserve.srt.server_args import ServerArgs
+
+try:
+    import openvino  # noqa: F401
+except ImportError:
+    pytest.skip("openvino is not installed (pip install airserve[openvino])",
+                allow_module_level=True)
+
+from openvino.frontend.pytorch.torchdynamo import execute as ov_execute  # noqa: E402
+
+from airserve.srt.model_executor import openvino_runner  # noqa: E402
+from airserve.srt.model_executor.openvino_runner import (  # noqa: E402
+    OpenVINORunner,
+    kv_len_buckets,
+)
+
+# float32 on both sides: only the summation order differs (observed max ~1e-5).
+ATOL = 1e-4
+STEPS = 30
+PROMPT_LENS = (5, 14, 23, 40)  # 30 steps take them over 16-token pages and 32/64-token buckets
+BUCKETS = (1, 4)
+
+
+def runner_args(path: str, page_size: int, **kw) -> ServerArgs:
+    return ServerArgs(model_path=path, page_size=page_size, max_total_tokens=2048,
+                      max_running_requests=4, num_threads=2, **kw)
+
+
+def ov_args(path: str, page_size: int, buckets=BUCKETS, **kw) -> ServerArgs:
+    return runner_args(path, page_size, enable_torch_compile=True,
+                       torch_compile_backend="openvino", cuda_graph_bs=buckets, **kw)
+
+
+@pytest.fixture(scope="module")
+def small_kv_buckets():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(openvino_runner, "SMALLEST_KV_LEN", 32)
+        yield
+
+
+@pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])
+def runners(request, tiny_llama_dir, small_kv_buckets):
+    page = request.param
+    return ModelRunner(runner_args(tiny_llama_dir, page)), ModelRunner(ov_args(tiny_llama_dir,
+                                                                              page))
+
+
+def prompts_for(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for length in PROMPT_LENS[:n]]
+
+
+def decode(runner: ModelRunner, prompts: list[list[int]], steps: int,
+           forced: list[list[int]] | None = None):
+    """Prefill eagerly, then `steps` decode steps (greedy, or feeding `forced` tokens).
+
+    Returns decode logits [steps, n, vocab], the tokens, and each request's K and V over its
+    whole sequence [layers, len, KVH, D]. Frees the request slots and pages afterwards."""
+    alloc, pool = runner.allocator, runner.req_to_token_pool
+    slots = [pool.allocate() for _ in prompts]
+    lens = [len(p) for p in prompts]
+    locs = [alloc.allocate(s, 0, n) for s, n in zip(slots, lens)]
+    fb = runner.make_forward_batch(
+        ForwardMode.EXTEND, input_ids=[t for p in prompts for t in p],
+        positions=[i for p in prompts for i in range(len(p))], req_pool_indices=slots,
+        seq_lens=lens, out_cache_loc=torch.cat(locs), extend_seq_lens=lens,
+        extend_prefix_lens=[0] * len(prompts),
+        last_token_indices=torch.tensor(lens).cumsum(0).sub(1).tolist())
+    first = runner.forward(fb).argmax(-1).tolist()
+    tokens = [[t] for t in first] if forced is None else [[f[0]] for f in forced]
+    logits = []
+    for step in range(steps):
+        cur = [n + step for n in lens]
+        locs = [alloc.allocate(s, c, c + 1) for s, c in zip(slots, cur)]
+        fb = runner.make_forward_batch(
+            ForwardMode.DECODE, input_ids=[t[-1] for t in tokens], positions=cur,
+            req_pool_indices=slots, seq_lens=[c + 1 for c in cur],
+            out_cache_loc=torch.cat(locs))
+        out = runner.forward(fb)
+        logits.append(out.clone())
+        nxt = out.argmax(-1).tolist() if forced is None else [f[step + 1] for f in forced]
+        for t, x in zip(tokens, nxt):
+            t.append(x)
+    kv = []
+    for s, n in zip(slots, lens):
+        total = n + steps
+        where = pool.req_to_token[s, :total].long()
+        kv.append((torch.stack([k[where] for k in runner.kv_cache.k_buffers]),
+                   torch.stack([v[where] for v in runner.kv_cache.v_buffers])))
+        alloc.free(s, total)
+        pool.free(s)
+    return torch.stack(logits), tokens, kv
+
+
+def assert_kv_equal(kv_a, kv_b) -> None:
+    for (ka, va), (kb, vb) in zip(kv_a, kv_b):
+        torch.testing.assert_close(ka, kb, atol=ATOL, rtol=0)
+        torch.testing.assert_close(va, vb, atol=ATOL, rtol=0)
+
+
+# Pure logic.
+def test_kv_len_buckets_cover_the_context_in_whole_pages():
+    assert kv_len_buckets(8192, 1) == [256, 512, 1024, 2048, 4096, 8192]
+    assert kv_len_buckets(8192, 16) == [16, 32, 64, 128, 256, 512]  # blocks of 16 tokens
+    assert kv_len_buckets(500, 16, smallest=100) == [7, 13, 25, 32]
+    assert kv_len_buckets(100, 1) == [100]
+
+
+# Parity with eager, every bucket, padded sizes, page boundaries, KV buckets.
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_logits_and_kv_cache_match_eager(runners, n):
+    eager, ov = runners
+    prompts = prompts_for(n, eager.model_config.vocab_size)
+    ref_logits, ref_tokens, ref_kv = decode(eager, prompts, STEPS)
+    replays = ov.graph_replays
+    logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
+    assert ov.graph_replays - replays == STEPS and not ov.fallback_counts
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert_kv_equal(kv, ref_kv)
+    # The last steps ran in a KV-length graph compiled on demand, past the start-up one.
+    runner: OpenVINORunner = ov.graph_runner
+    last = runner.kv_blocks_for(max(PROMPT_LENS[:n]) + STEPS)
+    assert last > runner.kv_blocks[0] and (runner.bucket_for(n), last) in runner.graphs
+
+
+def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
+    eager, ov = runners
+    calls = []
+    real = ov_execute.openvino_execute
+    monkeypatch.setattr(ov_execute, "openvino_execute",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    replays = ov.graph_replays
+    decode(ov, prompts_for(3, eager.model_config.vocab_size), 5)
+    assert len(calls) == ov.graph_replays - replays == 5  # one OpenVINO inference per step
+    runner: OpenVINORunner = ov.graph_runner
+    report = runner.report()
+    assert report["recompiles"] == 0
+    assert set(report["compiled_graphs"]) >= {"1x32", "4x32"}  # start-up: every bs at 32
+    assert len(report["compiled_graphs"]) == len(runner.graphs)
+    for _, compiler in runner.graphs.values():
+        assert compiler.calls == 1 and not compiler.partition.perm_fallback
+        assert list(compiler.compiled_model.get_property("EXECUTION_DEVICES")) == ["CPU"]
+
+
+def test_kv_pool_inputs_are_only_gathered(runners):
+    """The per-step cost cannot grow with the pool: OpenVINO only gathers from it."""
+    runner: OpenVINORunner = runners[1].graph_runner
+    for _, compiler in runner.graphs.values():
+        consumers = compiler.pool_input_consumers(runners[1].kv_pool.num_slots)
+        assert consumers and set(consumers) == {"Gather"}
+
+
+def test_lost_kv_writes_are_detected(runners, monkeypatch):
+    """What the parity test guards against: a runner that drops the graph's K/V."""
+    eager, ov = runners
+    prompts = prompts_for(2, eager.model_config.vocab_size)
+    _, ref_tokens, ref_kv = decode(eager, prompts, 4)
+    monkeypatch.setattr(ov.graph_runner, "_write_kv", lambda new_kv, loc: None)
+    _, _, kv = decode(ov, prompts, 4, forced=ref_tokens)
+    with pytest.raises(AssertionError):
+        assert_kv_equal(kv, ref_kv)
+
+
+# No silent fallback.
+def test_op_openvino_cannot_run_is_a_startup_error(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(OpenVINORunner, "disabled_ops", ("torch.ops.aten.mm.default",))
+    with pytest.raises(GraphCaptureError, match=r"would run in PyTorch: .*aten\.mm"):
+        ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,)))
+
+
+def test_conversion_failure_is_a_startup_error(tiny_llama_dir, monkeypatch):
+    from openvino.frontend.pytorch.torchdynamo import partition
+
+    def fail(self, gm, options):
+        raise RuntimeError("simulated conversion failure")
+
+    monkeypatch.setattr(partition.Partitioner, "make_partitions", fail)
+    with pytest.raises(GraphCaptureError, match="could not compile.*simulated conversion"):
+        ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,)))
+
+
+def test_openvino_runtime_failure_is_an_error(tiny_llama_dir, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated plugin failure")
+
+    monkeypatch.setattr(ov_execute, "openvino_compile", fail)
+    with pytest.raises(GraphCaptureError, match="eager PyTorch.*simulated plugin failure"):
+        ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,)))
+
+
+# Devices and installation.
+@pytest.mark.parametrize("device, missing", [("GPU.7", "GPU"), ("NPU", "NPU")])
+def test_absent_device_is_an_error_naming_what_is_missing(tiny_llama_dir, device, missing):
+    import openvino
+
+    if any(d.startswith(missing) for d in openvino.Core().available_devices):
+        pytest.skip(f"this machine has an OpenVINO {missing}")
+    with pytest.raises(RuntimeError) as e:
+        ModelRunner(ov_args(tiny_llama_dir, 1, openvino_device=device))
+    msg = str(e.value)
+    assert f"--openvino-device {device} is not available" in msg
+    assert "OpenVINO devices here: CPU" in msg
+    assert ("libOpenCL" in msg or "/dev/dri" in msg) if missing == "GPU" else "/dev/accel" in msg
+
+
+def test_without_openvino_the_error_says_how_to_install(tiny_llama_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(RuntimeError, match=r"pip install openvino==2026\.4\.1"):
+        ModelRunner(ov_args(tiny_llama_dir, 1))
+
+
+def test_bf16_hint_reaches_the_plugin_and_warns_about_the_float32_pool(tiny_llama_dir, caplog):
+    import openvino
+
+    runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), openvino_precision="bf16"))
+    (_, compiler), = runner.graph_runner.graphs.values()
+    assert compiler.compiled_model.get_property("INFERENCE_PRECISION_HINT") == openvino.Type.bf16
+    # OpenVINO converts the float32 pool to bf16 before gathering: said at start-up.
+    assert "Reorder" in compiler.pool_input_consumers(runner.kv_pool.num_slots)
+    assert "reads the whole KV pool" in caplog.text
+
+
+def test_float16_pool_with_f16_hint_is_only_gathered(tiny_llama_dir, caplog):
+    runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), dtype="float16",
+                                 openvino_precision="f16"))
+    (_, compiler), = runner.graph_runner.graphs.values()
+    assert set(compiler.pool_input_consumers(runner.kv_pool.num_slots)) == {"Gather"}
+    assert "reads the whole KV pool" not in caplog.text
+
+
+# The default model.
+@pytest.mark.slow
+def test_default_model_greedy_ids_equal_eager():
+    from airserve import Engine
+
+    try:
+        eager = Engine(max_total_tokens=4096, max_running_requests=4, num_threads=2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tok = eager.tokenizer
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        "Question: Tom has 12 apples and gives 5 to Anna. How many are left?\nAnswer:",
+        "def fibonacci(n):",
+        "The three primary colours are",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    ref = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
+    del eager
+    ov = Engine(max_total_tokens=4096, max_running_requests=4, num_threads=2,
+                enable_torch_compile=True, torch_compile_backend="openvino", cuda_graph_bs=[4])
+    out = [o["output_ids"] for o in ov.generate(input_ids=prompts, sampling_params=params)]
+    runner = ov.model_runner
+    assert runner.graph_replays >= 63 and not runner.fallback_counts
+    assert out == ref

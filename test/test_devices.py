@@ -1,0 +1,120 @@
+"""Device discovery: the JSON-able report, the CLI, and the errors for absent devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from airserve import devices
+
+
+def by_name(entries: list[dict]) -> dict[str, dict]:
+    return {d["name"]: d for d in entries}
+
+
+def test_discover_is_json_and_lists_every_known_device():
+    info = devices.discover()
+    assert json.loads(json.dumps(info)) == info
+    torch_devices = by_name(info["torch"]["devices"])
+    assert set(torch_devices) == {"cpu", "cuda", "xpu", "npu"}
+    assert torch_devices["cpu"]["available"]
+    for d in torch_devices.values():
+        assert d["available"] or d["reason"]  # an unavailable device always says why
+    ov = info["openvino"]
+    if ov["installed"]:
+        ov_devices = by_name(ov["devices"])
+        assert ov_devices["CPU"]["available"] and ov_devices["CPU"]["full_name"]
+        assert {"GPU", "NPU"} <= {n.split(".")[0] for n in ov_devices}
+        for d in ov_devices.values():
+            assert d["available"] or d["reason"]
+
+
+def test_cpu_only_torch_says_why_cuda_is_missing():
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA")
+    cuda = by_name(devices.discover()["torch"]["devices"])["cuda"]
+    assert not cuda["available"] and "built without CUDA" in cuda["reason"]
+
+
+def test_cli_prints_the_table_and_json():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-m", "airserve.devices"], capture_output=True,
+                         text=True, check=True, env=env).stdout
+    assert "cpu" in out and "available" in out
+    raw = subprocess.run([sys.executable, "-m", "airserve.devices", "--json"],
+                         capture_output=True, text=True, check=True, env=env).stdout
+    assert by_name(json.loads(raw)["torch"]["devices"])["cpu"]["available"]
+
+
+def test_npu_is_probed_in_a_child_without_importing_torch_npu(tmp_path, monkeypatch):
+    """A torch-npu that cannot load (no CANN) is reported, and never imported here."""
+    fake = tmp_path / "torch_npu"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise OSError('libhccl.so: cannot open shared object file: No such file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path)] + sys.path))
+    npu = devices._npu_device()
+    assert "torch_npu" not in sys.modules
+    assert not npu["available"]
+    assert "CANN" in npu["reason"] and "set_env.sh" in npu["reason"]
+
+
+def test_npu_not_installed():
+    if "torch_npu" in sys.modules or devices.importlib.util.find_spec("torch_npu"):
+        pytest.skip("torch-npu is installed here")
+    npu = devices._npu_device()
+    assert not npu["available"] and "not installed" in npu["reason"]
+
+
+def test_without_openvino_discovery_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    ov = devices.discover()["openvino"]
+    assert not ov["installed"] and "pip install openvino==2026.4.1" in ov["reason"]
+    with pytest.raises(RuntimeError, match=r"pip install openvino==2026\.4\.1"):
+        devices.check_openvino_device("CPU")
+
+
+try:
+    import openvino
+
+    AVAILABLE = openvino.Core().available_devices
+except ImportError:
+    openvino, AVAILABLE = None, []
+needs_openvino = pytest.mark.skipif(openvino is None, reason="openvino is not installed")
+
+
+@needs_openvino
+def test_check_openvino_device_accepts_listed_devices():
+    assert devices.check_openvino_device("CPU") == "CPU"
+    assert devices.check_openvino_device("cpu") == "CPU"
+
+
+@needs_openvino
+@pytest.mark.skipif(any(d.startswith("GPU") for d in AVAILABLE), reason="has an Intel GPU")
+def test_absent_gpu_names_the_missing_driver_and_lists_devices():
+    with pytest.raises(RuntimeError) as e:
+        devices.check_openvino_device("GPU.7")
+    msg = str(e.value)
+    assert "--openvino-device GPU.7 is not available" in msg
+    assert "OpenVINO devices here: CPU (" in msg
+    assert "libOpenCL.so.1" in msg or "/dev/dri" in msg or "intel-opencl-icd" in msg
+
+
+@needs_openvino
+@pytest.mark.skipif(any(d.startswith("NPU") for d in AVAILABLE), reason="has an Intel NPU")
+def test_absent_npu_names_the_missing_driver():
+    with pytest.raises(RuntimeError, match="linux-npu-driver|Level Zero|/dev/accel"):
+        devices.check_openvino_device("NPU")
+
+
+@needs_openvino
+def test_virtual_devices_are_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="AUTO is a virtual device"):
+        devices.check_openvino_device("AUTO")
