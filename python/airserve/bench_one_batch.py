@@ -137,21 +137,31 @@ def transformers_model(runner: ModelRunner):
     return model.eval()
 
 
+class _StepTimes:
+    """A generate() streamer that timestamps each new token (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def time_transformers(model, prompts: list[list[int]], output_len: int):
-    """(median-free) decode latency per step from generate(n) - generate(1), and the tokens."""
+    """Per-step decode latencies of a greedy generate() and its tokens."""
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-
-    def generate(n: int):
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
-
-    generate(2)  # warm-up
-    prefill, _ = generate(1)
-    total, tokens = generate(output_len)
-    return (total - prefill) / (output_len - 1), tokens
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    steps = _StepTimes()
+    out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len,
+                         streamer=steps, **kw)
+    # times[1] follows prefill; each later put follows one decode step.
+    latencies = [b - a for a, b in zip(steps.times[1:], steps.times[2:])]
+    return latencies, out[:, ids.shape[1]:].tolist()
 
 
 def bench_args(args: argparse.Namespace) -> ServerArgs:
@@ -231,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
                        speedup=e.median_decode_latency / r.median_decode_latency,
                        tokens_match=e.tokens == r.tokens)
         if hf is not None and (bs == 1 or bs * args.input_len <= 8192):
-            lat, tokens = time_transformers(hf, prompts, args.output_len)
-            row.update(transformers_decode_latency=lat,
+            lats, tokens = time_transformers(hf, prompts, args.output_len)
+            row.update(transformers_decode_latency=statistics.median(lats),
+                       transformers_min_decode_latency=min(lats),
                        transformers_tokens_match=tokens == r.tokens)
         rows.append(row)
     print_summary(rows)
@@ -248,25 +259,41 @@ def _fields(bs: int, input_len: int, r: BatchResult) -> dict:
     return dict(prefill_latency=r.prefill_latency,
                 prefill_throughput=bs * input_len / r.prefill_latency,
                 median_decode_latency=med, median_decode_throughput=bs / med,
+                min_decode_latency=min(r.decode_latencies),
                 overall_latency=total,
                 overall_throughput=bs * (input_len + len(r.decode_latencies) + 1) / total)
 
 
 def print_summary(rows: list[dict]) -> None:
-    print("\n| bs | prefill ms | decode ms | tok/s | eager ms | speedup | tokens = eager "
+    """Decode ms per step as median / min: the min is the step least disturbed by other load."""
+    def ms(row: dict | None, key: str, min_key: str) -> str:
+        if not row or key not in row:
+            return "-"
+        return f"{row[key] * 1e3:.2f} / {row[min_key] * 1e3:.2f}"
+
+    def ratio(num: float | None, den: float) -> str:
+        return f"{num / den:.2f}x" if num else "-"
+
+    print("\nDecode ms per step, median / min; speedups and x bound use medians (min in [])")
+    print("| bs | prefill ms | graph ms | tok/s | eager ms | vs eager | tokens = eager "
           "| transformers ms | vs transformers | bound ms | x bound |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        dec = row["median_decode_latency"]
+        dec, best, bound = (row["median_decode_latency"], row["min_decode_latency"],
+                            row["bound_latency"])
         eager, hf = row.get("eager"), row.get("transformers_decode_latency")
         cells = [
-            row["batch_size"], f"{row['prefill_latency'] * 1e3:.1f}", f"{dec * 1e3:.2f}",
+            row["batch_size"], f"{row['prefill_latency'] * 1e3:.1f}",
+            ms(row, "median_decode_latency", "min_decode_latency"),
             f"{row['median_decode_throughput']:.1f}",
-            f"{eager['median_decode_latency'] * 1e3:.2f}" if eager else "-",
-            f"{row['speedup']:.2f}x" if eager else "-",
+            ms(eager, "median_decode_latency", "min_decode_latency"),
+            (f"{ratio(eager['median_decode_latency'], dec)} "
+             f"[{ratio(eager['min_decode_latency'], best)}]") if eager else "-",
             ("yes" if row["tokens_match"] else "NO") if eager else "-",
-            f"{hf * 1e3:.2f}" if hf else "-", f"{hf / dec:.2f}x" if hf else "-",
-            f"{row['bound_latency'] * 1e3:.2f}", f"{dec / row['bound_latency']:.2f}",
+            ms(row, "transformers_decode_latency", "transformers_min_decode_latency"),
+            (f"{ratio(hf, dec)} [{ratio(row['transformers_min_decode_latency'], best)}]"
+             if hf else "-"),
+            f"{bound * 1e3:.2f}", f"{dec / bound:.2f} [{best / bound:.2f}]",
         ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 

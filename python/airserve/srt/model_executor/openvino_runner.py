@@ -48,6 +48,9 @@ from airserve.srt.model_executor.openvino_compile import (
 logger = logging.getLogger(__name__)
 
 SMALLEST_KV_LEN = 256
+# Layer types that may read the KV-pool inputs in OpenVINO's runtime graph: an in-place reshape
+# and gathers. Anything else touches the whole pool every step.
+POOL_READERS = frozenset({"Reshape", "Gather"})
 
 
 def kv_len_buckets(context_len: int, page_size: int,
@@ -154,7 +157,7 @@ class OpenVINORunner(GraphRunner):
         plugin converts the pool to that precision before the gather, every step. (bf16
         tensors cannot be graph inputs: the backend hands inputs over as numpy arrays.)"""
         readers = set(compiler.pool_input_consumers(self.model_runner.kv_pool.num_slots))
-        if readers <= {"Gather"} or self.warned_pool_reads:
+        if readers <= POOL_READERS or self.warned_pool_reads:
             return
         self.warned_pool_reads = True
         pool_mib = self.model_runner.kv_pool.memory_bytes() / 2**20
@@ -163,7 +166,7 @@ class OpenVINORunner(GraphRunner):
             "gathers, precision hint %s): step time grows with --max-total-tokens. Use "
             "--openvino-precision f32, or --dtype float16 with --openvino-precision f16 "
             "(a float16 pool is read in place), or a small --max-total-tokens.", pool_mib,
-            ", ".join(sorted(readers - {"Gather"})),
+            ", ".join(sorted(readers - POOL_READERS)),
             self.options["config"]["INFERENCE_PRECISION_HINT"])
 
     # Replay.

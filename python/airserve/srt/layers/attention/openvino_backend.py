@@ -6,7 +6,11 @@ table, and attends to the new token's K/V separately; it hands the new K/V back 
 metadata, the graph returns them, and the runner writes them into the cache after the call.
 
 The block table has a fixed width per graph (a KV-length bucket, not the full context), so a
-step gathers `bs * kv_len` cache rows per layer, whatever the pool size or context length.
+step gathers `bs * kv_len` tokens per layer, whatever the pool size or context length. Two
+OpenVINO habits shape the ops (both cost the whole pool or more every step otherwise, and
+`OpenVINORunner` checks the compiled graph for the first): it moves an elementwise op with a
+constant scalar operand in front of a gather, onto the gathered-from tensor; and its Transpose
+is slow, so K and V are gathered head-major instead of transposed after the gather.
 """
 
 from __future__ import annotations
@@ -45,25 +49,29 @@ def decode_attention_with_new_token(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     kv_len = block_table.shape[1] * page_size
-    # Slot of cached position j of row b: page block_table[b, j // page] at offset j % page.
+    # Row of (slot s, KV head h) in the pool seen as [num_slots * KVH, D]: s * KVH + h. Slot of
+    # cached position j of row b: page block_table[b, j // page] at offset j % page. Gathering
+    # per KV head gives K and V head-major, [bs, KVH, kv_len, D], ready for the matmuls.
     offsets = torch.arange(page_size, dtype=torch.int64, device=q.device)
-    slots = (block_table.to(torch.int64)[:, :, None] * page_size + offsets).reshape(-1)
-    keys = k_cache.index_select(0, slots).view(bs, kv_len, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, slots).view(bs, kv_len, num_kv_heads, head_dim)
+    slots = (block_table.to(torch.int64)[:, :, None] * page_size + offsets).reshape(bs, 1, -1)
+    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=q.device)
+    rows = (slots * num_kv_heads + heads[None, :, None]).reshape(-1)  # [bs * KVH * kv_len]
+    shape = (bs, num_kv_heads, kv_len, head_dim)
+    keys = k_cache.reshape(-1, head_dim).index_select(0, rows).view(shape).float()
+    values = v_cache.reshape(-1, head_dim).index_select(0, rows).view(shape).float()
 
     # Scale q, not the scores: OpenVINO moves a scalar multiply of the gathered keys in front of
     # the gather, onto the whole KV pool, every step.
     qg = q.view(bs, num_kv_heads, group, head_dim).float() * scale  # [bs, KVH, G, D]
-    cached = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))  # [bs, KVH, G, kv_len]
+    cached = torch.matmul(qg, keys.transpose(2, 3))  # [bs, KVH, G, kv_len]
     # The cache holds seq_len - 1 tokens of each row; later columns are other pages or padding.
     positions = torch.arange(kv_len, dtype=torch.int64, device=q.device)
     valid = positions[None, :] < (seq_lens.to(torch.int64) - 1)[:, None]  # [bs, kv_len]
     cached = cached.masked_fill(~valid[:, None, None, :], float("-inf"))
-    kf, vf = k.float()[:, :, None, :], v.float()[:, :, None, :]  # [bs, KVH, 1, D]
-    own = (qg * kf).sum(-1, keepdim=True)  # [bs, KVH, G, 1], never masked
+    own = (qg * k.float()[:, :, None, :]).sum(-1, keepdim=True)  # [bs, KVH, G, 1], not masked
     probs = torch.softmax(torch.cat((cached, own), dim=-1), dim=-1)
-    out = torch.matmul(probs[..., :kv_len], values.float().permute(0, 2, 1, 3))
-    out = out + probs[..., kv_len:] * vf  # [bs, KVH, G, D]
+    out = torch.matmul(probs[..., :kv_len], values)  # [bs, KVH, G, D]
+    out = out + probs[..., kv_len:] * v.float()[:, :, None, :]
     return out.reshape(bs, num_heads, head_dim).to(q.dtype)
 
 
