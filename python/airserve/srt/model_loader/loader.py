@@ -101,7 +101,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
     model.model.rotary_emb = rope.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         param.data = param.data.to(torch_dtype)
     model.load_weights(iter_weights(path))
     model.eval().requires_grad_(False)
