@@ -1,14 +1,13 @@
 """The decode graph-runner contract: capture the decode step once per batch size, then replay.
 
 A subclass says only how to capture one bucket (`capture_bucket`) and how to run it
-(`replay_bucket`). Everything else lives here: bucket choice, static input buffers sized for the
-largest bucket, padding rows so they are inert (they write only the dummy KV slot), output
-slicing, fallback rules, the start-up report and the one capture error.
+(`replay_bucket`). Everything else lives here: the bucket schedule, output slicing, the start-up
+report and the one capture error; the static inputs, their inert padded rows, bucket choice and
+the fallback rules are a `StaticDecodeInputs`, shared with the standalone TorchAirRunner.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import time
@@ -18,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from airserve.srt.model_executor.forward_batch import ForwardBatch
+from airserve.srt.model_executor.static_inputs import StaticDecodeInputs
 from airserve.srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -108,8 +107,8 @@ def dynamo_graph_count() -> int:
 class GraphRunner(ABC):
     """Captured decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
 
-    Padded rows [real_bs, bucket) get token 0 at position 0, seq_len 1, the dummy KV slot as
-    their write slot and a block table of dummy pages: they read and write only the dummy page.
+    Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
+    StaticDecodeInputs).
     """
 
     name = "graph"
@@ -124,33 +123,25 @@ class GraphRunner(ABC):
         self.kv_cache = model_runner.kv_cache
         args = model_runner.server_args
         self.backend_name = args.resolved_compile_backend if args.enable_torch_compile else "none"
-        self.buckets = get_batch_size_buckets(args, model_runner.max_running_requests,
-                                              self.compile_runner, self.schedule)
-        self.max_bs = self.buckets[-1]
-        self.padding = not args.disable_cuda_graph_padding
+        self.inputs = StaticDecodeInputs(
+            get_batch_size_buckets(args, model_runner.max_running_requests, self.compile_runner,
+                                   self.schedule),
+            not args.disable_cuda_graph_padding, model_runner.device, self.kv_cache,
+            self.attn_backend)
+        self.buckets = self.inputs.buckets
+        self.input_ids = self.inputs.input_ids  # [max_bs]: what every bucket's tokens view
         self.capture_seconds: dict[int, float] = {}
         self.memory_bytes = 0
         self.replay_count = 0
-
-        # Static inputs for the largest bucket; a bucket of size bs reads views [:bs].
-        dev, n = model_runner.device, self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.out_cache_loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=dev)
-        self.attn_backend.init_graph_state(n)
-        self.batches = {bs: self._static_batch(bs) for bs in self.buckets}
         self.capture()
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
-            out_cache_loc=self.out_cache_loc[:bs], kv_cache=self.kv_cache,
-            attn_backend=self.attn_backend,
-        )
+    @property
+    def padding(self) -> bool:
+        return self.inputs.padding
+
+    @padding.setter
+    def padding(self, value: bool) -> None:
+        self.inputs.padding = value
 
     # Capture.
     @abstractmethod
@@ -175,7 +166,7 @@ class GraphRunner(ABC):
     def capture(self) -> None:
         before = self.memory_in_use()
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
-            fb = self.batches[bs]
+            fb = self.inputs.batches[bs]
             self.attn_backend.init_forward_metadata_capture(fb, bs)
             start = time.perf_counter()
             try:
@@ -194,38 +185,18 @@ class GraphRunner(ABC):
     # Replay.
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
         """None if `replay(fb)` can run the batch, else why it must run eager."""
-        if not fb.forward_mode.is_decode():
-            return "not a decode batch"
-        if fb.batch_size > self.max_bs:
-            return f"batch size {fb.batch_size} > largest captured bucket {self.max_bs}"
-        if not self.padding and fb.batch_size not in self.batches:
-            return f"no bucket of exactly {fb.batch_size} (--disable-cuda-graph-padding)"
-        return None
+        return self.inputs.fallback_reason(fb)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.fallback_reason(fb) is None
 
     def bucket_for(self, n: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, n)]
+        return self.inputs.bucket_for(n)
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         n = fb.batch_size
-        bs = self.bucket_for(n)
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
-        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
-        self.seq_lens[:n].copy_(fb.seq_lens)
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-        if bs > n:  # inert padded rows
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.req_pool_indices[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.out_cache_loc[n:bs].fill_(DUMMY_SLOT)
-        static = self.batches[bs]
-        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (bs - n)
-        self.attn_backend.init_forward_metadata_replay(static, bs, n, fb.req_pool_indices)
-        logits = self.replay_bucket(bs, static)
+        static = self.inputs.load(fb)
+        logits = self.replay_bucket(static.batch_size, static)
         self.replay_count += 1
         return logits[:n].clone() if self.outputs_reused else logits[:n]
 

@@ -1,7 +1,8 @@
 """Ascend decode graphs through torchair: one `torch.compile`d decode step per batch size.
 
-Standalone (DESIGN.md): it owns its buckets, static inputs, compiled callables and compiler,
-and shares only the bucket schedule with the graph-runner contract. The compiler comes from one
+Standalone (DESIGN.md): it owns its compiled callables and compiler, and shares with the
+graph-runner contract only the bucket schedule and its static inputs (`StaticDecodeInputs`:
+buffers, inert padding, bucket choice, fallback rules). The compiler comes from one
 seam, `get_compile_backend` (torchair's NPU backend on --device npu); tests pass inductor or a
 recording backend to the constructor, and nothing else differs between CPU and NPU.
 
@@ -24,7 +25,6 @@ vllm-ascend's torchair runner did).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 import types
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
 from airserve.srt.model_executor import forward_batch
 from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.model_executor.graph_runner import (
@@ -42,6 +41,7 @@ from airserve.srt.model_executor.graph_runner import (
     dynamo_graph_count,
     get_batch_size_buckets,
 )
+from airserve.srt.model_executor.static_inputs import StaticDecodeInputs
 from airserve.srt.model_executor.torchair_cache import (
     UNKNOWN,
     CompileCacheKey,
@@ -98,8 +98,8 @@ class DecodeStep(nn.Module):
 class TorchAirRunner:
     """Compiled decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
 
-    Padded rows [real_bs, bucket) get token 0 at position 0, seq_len 1 (tensor and host list),
-    the dummy KV slot as write slot and a block table of dummy pages.
+    Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
+    StaticDecodeInputs).
     """
 
     name = "torchair"
@@ -112,8 +112,6 @@ class TorchAirRunner:
         self.attn_backend = model_runner.attn_backend
         self.kv_cache = model_runner.kv_cache
         self.buckets = get_batch_size_buckets(args, model_runner.max_running_requests, True)
-        self.max_bs = self.buckets[-1]
-        self.padding = not args.disable_cuda_graph_padding
         self.compile_backend = (get_compile_backend(args, len(self.buckets))
                                 if compile_backend is None else as_compile_backend(compile_backend))
         self.backend_name = self.compile_backend.name
@@ -133,30 +131,15 @@ class TorchAirRunner:
         self.replay_count = 0
         self.recompiles = 0
 
-        # Static inputs for the largest bucket; bucket bs reads views [:bs].
-        dev, n = model_runner.device, self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.out_cache_loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=dev)
-        self.attn_backend.init_graph_state(n)
-        self.batches = {bs: self._static_batch(bs) for bs in self.buckets}
+        self.inputs = StaticDecodeInputs(
+            self.buckets, not args.disable_cuda_graph_padding, model_runner.device,
+            self.kv_cache, self.attn_backend, kind="compiled")
+        for fb in self.inputs.batches.values():
+            for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.out_cache_loc):
+                _mark_static(t)
         for buf in self.kv_cache.k_buffers + self.kv_cache.v_buffers:
             _mark_static(buf)
         self.capture()
-
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
-            out_cache_loc=self.out_cache_loc[:bs], kv_cache=self.kv_cache,
-            attn_backend=self.attn_backend,
-        )
-        for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.out_cache_loc):
-            _mark_static(t)
-        return fb
 
     def _inputs(self, fb: ForwardBatch) -> tuple:
         return (fb.input_ids, fb.positions, fb.out_cache_loc, fb.seq_lens, fb.seq_lens_cpu,
@@ -188,7 +171,7 @@ class TorchAirRunner:
         self.log_report()
 
     def _capture_bucket(self, bs: int) -> None:
-        fb = self.batches[bs]
+        fb = self.inputs.batches[bs]
         self.attn_backend.init_forward_metadata_capture(fb, bs)
         _mark_static(fb.attn_metadata)
         self.compiled[bs] = self._compile(bs)
@@ -206,7 +189,7 @@ class TorchAirRunner:
         return dynamo_graph_count() if self.cache_root else sum(self.graphs.values())
 
     def _set_padding_lens(self, fb: ForwardBatch, bs: int, length: int) -> None:
-        self.seq_lens[:bs].fill_(length)
+        fb.seq_lens.fill_(length)  # the static batch's view [:bs]
         fb.seq_lens_cpu = [length] * bs
 
     def _compile(self, bs: int):
@@ -257,37 +240,18 @@ class TorchAirRunner:
     # Replay.
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
         """None if `replay(fb)` can run the batch, else why it must run eager."""
-        if not fb.forward_mode.is_decode():
-            return "not a decode batch"
-        if fb.batch_size > self.max_bs:
-            return f"batch size {fb.batch_size} > largest compiled bucket {self.max_bs}"
-        if not self.padding and fb.batch_size not in self.batches:
-            return f"no bucket of exactly {fb.batch_size} (--disable-cuda-graph-padding)"
-        return None
+        return self.inputs.fallback_reason(fb)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.fallback_reason(fb) is None
 
     def bucket_for(self, n: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, n)]
+        return self.inputs.bucket_for(n)
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         n = fb.batch_size
-        bs = self.bucket_for(n)
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
-        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
-        self.seq_lens[:n].copy_(fb.seq_lens)
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-        if bs > n:  # inert padded rows
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.req_pool_indices[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.out_cache_loc[n:bs].fill_(DUMMY_SLOT)
-        static = self.batches[bs]
-        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (bs - n)
-        self.attn_backend.init_forward_metadata_replay(static, bs, n, fb.req_pool_indices)
+        static = self.inputs.load(fb)
+        bs = static.batch_size
         logits = self.compiled[bs](*self._inputs(static))
         self.replay_count += 1
         graphs = self.graph_count()
@@ -316,7 +280,7 @@ class TorchAirRunner:
             "runner": type(self).__name__,
             "backend": self.backend_name,
             "buckets": list(self.buckets),
-            "padding": self.padding,
+            "padding": self.inputs.padding,
             "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
             "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
             "memory_bytes": self.memory_bytes,
@@ -334,7 +298,7 @@ class TorchAirRunner:
             "decode graph runner ready\n  runner: %s (compile backend: %s)\n  buckets: %s%s\n"
             "  compile time per bucket: %s\n  compile total: %.1fs, memory taken: %.1f MiB\n"
             "  compile cache: %s",
-            r["runner"], r["backend"], r["buckets"], "" if self.padding else " (no padding)",
+            r["runner"], r["backend"], r["buckets"], "" if r["padding"] else " (no padding)",
             per_bucket, r["capture_seconds_total"], r["memory_bytes"] / 2**20,
             r["compile_cache"] or "off",
         )
