@@ -1,14 +1,16 @@
-"""Helpers shared by the native and OpenAI endpoints: errors, JSON bodies, SSE, fan-in."""
+"""Helpers shared by the native and OpenAI endpoints: errors, JSON bodies, SSE, fan-in, and
+the two ways an endpoint answers (final outputs as JSON, or an SSE stream of outputs)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError
 
@@ -129,3 +131,51 @@ async def collect_final(streams: list[AsyncIterator[T]]) -> list[T]:
     async for i, item in merge(streams):
         last[i] = item
     return last
+
+
+# How an endpoint answers, streamed or not.
+async def final_outputs(request: Request, streams: list[AsyncIterator[ReqOutput]]
+                        ) -> list[ReqOutput]:
+    """The last output of each stream, in stream order. An aborted request is a RequestError;
+    a client that goes away cancels (so aborts) them all."""
+    outputs = await until_disconnected(request, collect_final(streams))
+    for out in outputs:
+        raise_if_aborted(out)
+    return outputs
+
+
+# Turns (stream index, cumulative output) pairs into SSE events.
+EventWriter = Callable[[AsyncIterator[tuple[int, ReqOutput]]], AsyncIterator[bytes]]
+
+
+async def stream_response(request: Request, streams: list[AsyncIterator[ReqOutput]],
+                          events: EventWriter) -> StreamingResponse:
+    """An SSE response of `events(outputs)`, the outputs of `streams` as `merge` gives them.
+
+    The first output is awaited here, so an error before it (or a client gone) answers the
+    request itself. Later, an aborted request or a RequestError becomes an error event; the
+    stream always ends with `data: [DONE]`.
+    """
+    merged = merge(streams)
+    first = await until_disconnected(request, anext(merged))
+    return StreamingResponse(_sse(merged, first, events), media_type="text/event-stream")
+
+
+async def _sse(merged: AsyncIterator[tuple[int, ReqOutput]], first: tuple[int, ReqOutput],
+               events: EventWriter) -> AsyncIterator[bytes]:
+    try:
+        async with aclosing(merged), aclosing(events(_checked(merged, first))) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    except RequestError as e:
+        yield sse(error_body(e.status, e.message))
+    yield SSE_DONE
+
+
+async def _checked(merged: AsyncIterator[tuple[int, ReqOutput]], first: tuple[int, ReqOutput]
+                   ) -> AsyncIterator[tuple[int, ReqOutput]]:
+    item: tuple[int, ReqOutput] | None = first
+    while item is not None:
+        raise_if_aborted(item[1])
+        yield item
+        item = await anext(merged, None)

@@ -9,21 +9,17 @@ unknown or null top-level fields are ignored. Streaming sends `data: <json>` eve
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from airserve.srt.entrypoints.http_utils import (
-    SSE_DONE,
-    collect_final,
-    error_body,
-    merge,
-    raise_if_aborted,
+    final_outputs,
     read_json_object,
     sse,
-    until_disconnected,
+    stream_response,
 )
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.sampling.sampling_params import SamplingParams
@@ -119,27 +115,13 @@ async def generate(request: Request, manager: TokenizerManager):
     req = parse_generate(await read_json_object(request), manager)
     streams = [manager.generate(ids, p, stream=req.stream, rid=rid)
                for ids, p, rid in zip(req.prompts, req.params, req.rids)]
-    if not req.stream:
-        outputs = await until_disconnected(request, collect_final(streams))
-        for out in outputs:
-            raise_if_aborted(out)
-        result = [output_dict(o) for o in outputs]
-        return JSONResponse(result[0] if req.single else result)
-    merged = merge(streams)
-    first = await until_disconnected(request, anext(merged))
-    return StreamingResponse(_events(merged, first, req.single), media_type="text/event-stream")
+    if req.stream:
+        return await stream_response(request, streams, partial(_events, single=req.single))
+    result = [output_dict(o) for o in await final_outputs(request, streams)]
+    return JSONResponse(result[0] if req.single else result)
 
 
-async def _events(merged: AsyncIterator[tuple[int, ReqOutput]], first: tuple[int, ReqOutput],
+async def _events(outputs: AsyncIterator[tuple[int, ReqOutput]],
                   single: bool) -> AsyncIterator[bytes]:
-    try:
-        async with aclosing(merged):
-            item = first
-            while item is not None:
-                i, out = item
-                raise_if_aborted(out)
-                yield sse(output_dict(out, None if single else i))
-                item = await anext(merged, None)
-    except RequestError as e:
-        yield sse(error_body(e.status, e.message))
-    yield SSE_DONE
+    async for i, out in outputs:
+        yield sse(output_dict(out, None if single else i))

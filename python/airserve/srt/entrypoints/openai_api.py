@@ -11,22 +11,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from airserve.srt.entrypoints.http_utils import (
-    SSE_DONE,
-    collect_final,
-    error_body,
-    merge,
-    raise_if_aborted,
+    final_outputs,
     read_json_object,
     sse,
-    until_disconnected,
+    stream_response,
 )
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.sampling.sampling_params import SamplingParams
@@ -250,16 +245,11 @@ class OpenAIServing:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if not req.stream:
-            outputs = await until_disconnected(request, collect_final(streams))
-            for out in outputs:
-                raise_if_aborted(out)
+            outputs = await final_outputs(request, streams)
             return JSONResponse(_response(rid, created, model, outputs, req.n, chat))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        merged = merge(streams)
-        first = await until_disconnected(request, anext(merged))
-        chunks = _stream_chunks(rid, created, model, merged, first, len(jobs), req.n, chat,
-                                include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return await stream_response(request, streams, lambda outputs: _stream_chunks(
+            rid, created, model, outputs, len(jobs), req.n, chat, include_usage))
 
 
 def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,
@@ -292,29 +282,19 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
 
 
 async def _stream_chunks(rid: str, created: int, model: str,
-                         merged: AsyncIterator[tuple[int, ReqOutput]],
-                         first: tuple[int, ReqOutput], num: int, n: int, chat: bool,
-                         include_usage: bool) -> AsyncIterator[bytes]:
+                         outputs: AsyncIterator[tuple[int, ReqOutput]], num: int, n: int,
+                         chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     sent = [0] * num  # characters of each choice's text already streamed
     last: list[ReqOutput | None] = [None] * num
-    try:
-        async with aclosing(merged):
-            if chat:
-                for i in range(num):
-                    yield _chunk(rid, created, model, i, "", None, chat, role=True)
-            item = first
-            while item is not None:
-                i, out = item
-                raise_if_aborted(out)
-                last[i] = out
-                piece = out.text[sent[i]:]
-                sent[i] = len(out.text)
-                if piece or out.finished:
-                    yield _chunk(rid, created, model, i, piece, finish_reason(out), chat)
-                item = await anext(merged, None)
-        if include_usage:
-            yield _chunk(rid, created, model, 0, "" if chat else None, None, chat,
-                         usage_=usage(last, n))
-    except RequestError as e:
-        yield sse(error_body(e.status, e.message))
-    yield SSE_DONE
+    if chat:
+        for i in range(num):
+            yield _chunk(rid, created, model, i, "", None, chat, role=True)
+    async for i, out in outputs:
+        last[i] = out
+        piece = out.text[sent[i]:]
+        sent[i] = len(out.text)
+        if piece or out.finished:
+            yield _chunk(rid, created, model, i, piece, finish_reason(out), chat)
+    if include_usage:
+        yield _chunk(rid, created, model, 0, "" if chat else None, None, chat,
+                     usage_=usage(last, n))
