@@ -52,25 +52,41 @@ def test_cli_prints_the_table_and_json():
     assert by_name(json.loads(raw)["torch"]["devices"])["cpu"]["available"]
 
 
-def test_npu_is_probed_in_a_child_without_importing_torch_npu(tmp_path, monkeypatch):
-    """A torch-npu that cannot load (no CANN) is reported, and never imported here."""
-    fake = tmp_path / "torch_npu"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(
-        "raise OSError('libhccl.so: cannot open shared object file: No such file')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path)] + sys.path))
+def test_npu_device_never_imports_torch_npu_here():
+    """torch-npu without CANN breaks the process that imports it: only a child may import it.
+    torch-npu is not installed here, which the entry must say."""
     npu = devices._npu_device()
     assert "torch_npu" not in sys.modules
-    assert not npu["available"]
-    assert "CANN" in npu["reason"] and "set_env.sh" in npu["reason"]
+    assert npu["name"] == "npu"
+    if devices.importlib.util.find_spec("torch_npu") is None:
+        assert not npu["available"] and "not installed" in npu["reason"]
 
 
-def test_npu_not_installed():
-    if "torch_npu" in sys.modules or devices.importlib.util.find_spec("torch_npu"):
-        pytest.skip("torch-npu is installed here")
-    npu = devices._npu_device()
-    assert not npu["available"] and "not installed" in npu["reason"]
+# What a probe child prints when torch_npu fails to load (the last line of its traceback).
+MISSING_CANN = ("Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\n"
+                "OSError: libhccl.so: cannot open shared object file: No such file or directory\n")
+WRONG_TORCH = ("ImportError: /usr/local/lib/python3.11/site-packages/torch_npu/lib/"
+               "libtorch_npu.so: undefined symbol: _ZN3c1015SmallVectorBase8grow_podEPKvmm")
+
+
+def test_npu_reason_for_missing_cann_says_to_source_set_env():
+    reason = devices._npu_reason(MISSING_CANN)
+    assert "CANN" in reason and "set_env.sh" in reason
+    assert "libhccl.so: cannot open shared object file" in reason
+    assert "Traceback" not in reason  # only the error line
+
+
+def test_npu_reason_for_another_torch_names_the_matching_torch_npu():
+    import torch
+
+    reason = devices._npu_reason(WRONG_TORCH)
+    assert "another torch version" in reason and "undefined symbol" in reason
+    assert f"torch-npu=={torch.__version__.split('+')[0]}" in reason
+
+
+def test_npu_reason_without_error_text_still_says_how_to_fix():
+    reason = devices._npu_reason("")
+    assert "torch_npu failed to import" in reason and "set_env.sh" in reason
 
 
 def test_without_openvino_discovery_says_how_to_install(monkeypatch):

@@ -37,30 +37,33 @@ def _torch_devices() -> list[dict]:
     import torch
 
     detail = f"{os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
-    devices = [{"name": "cpu", "available": True, "count": 1, "detail": detail}]
-    if torch.version.cuda is None:
-        devices.append({"name": "cuda", "available": False,
-                        "reason": f"torch {torch.__version__} is built without CUDA"})
-    elif not torch.cuda.is_available():
-        devices.append({"name": "cuda", "available": False,
-                        "reason": "no CUDA device visible: check the NVIDIA driver (nvidia-smi) "
-                                  "and CUDA_VISIBLE_DEVICES"})
-    else:
-        devices.append({"name": "cuda", "available": True, "count": torch.cuda.device_count(),
-                        "detail": torch.cuda.get_device_name(0)})
-    has_xpu = hasattr(torch, "xpu") and getattr(torch._C, "_has_xpu", False)
-    if not has_xpu:
-        devices.append({"name": "xpu", "available": False,
-                        "reason": f"torch {torch.__version__} is built without XPU support"})
-    elif not torch.xpu.is_available():
-        devices.append({"name": "xpu", "available": False,
-                        "reason": "no Intel GPU visible to torch.xpu: check the Intel GPU driver "
-                                  "and /dev/dri"})
-    else:
-        devices.append({"name": "xpu", "available": True, "count": torch.xpu.device_count(),
-                        "detail": torch.xpu.get_device_name(0)})
-    devices.append(_npu_device())
-    return devices
+    return [
+        {"name": "cpu", "available": True, "count": 1, "detail": detail},
+        _torch_accelerator(
+            "cuda", torch.version.cuda is not None,
+            f"torch {torch.__version__} is built without CUDA",
+            "no CUDA device visible: check the NVIDIA driver (nvidia-smi) and "
+            "CUDA_VISIBLE_DEVICES"),
+        _torch_accelerator(
+            "xpu", hasattr(torch, "xpu") and getattr(torch._C, "_has_xpu", False),
+            f"torch {torch.__version__} is built without XPU support",
+            "no Intel GPU visible to torch.xpu: check the Intel GPU driver and /dev/dri"),
+        _npu_device(),
+    ]
+
+
+def _torch_accelerator(name: str, built: bool, not_built: str, not_visible: str) -> dict:
+    """The entry of `torch.<name>` (cuda, xpu): unavailable with why, or its count and the name
+    of its first device."""
+    import torch
+
+    if not built:
+        return {"name": name, "available": False, "reason": not_built}
+    module = getattr(torch, name)
+    if not module.is_available():
+        return {"name": name, "available": False, "reason": not_visible}
+    return {"name": name, "available": True, "count": module.device_count(),
+            "detail": module.get_device_name(0)}
 
 
 def _npu_device() -> dict:
@@ -73,12 +76,25 @@ def _npu_device() -> dict:
     try:
         proc = subprocess.run([sys.executable, "-c", NPU_PROBE], env=env, capture_output=True,
                               text=True, timeout=120)
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+    except subprocess.TimeoutExpired as e:
         return {"name": "npu", "available": False,
                 "reason": f"probing torch-npu in a subprocess failed ({type(e).__name__})"}
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):  # the child died before it could report
+        error = proc.stderr or f"the probe process exited with code {proc.returncode}"
+        return {"name": "npu", "available": False, "reason": _npu_reason(error)}
     result["name"] = "npu"
     return result
+
+
+def _npu_reason(error_text: str) -> str:
+    """Why torch_npu cannot load, from the failure text of the probe child (a traceback, whose
+    last line is the error, or a loader's message), and what fixes it."""
+    from airserve.srt.model_executor.runner_selection import torch_npu_import_failure
+
+    lines = [line.strip() for line in error_text.strip().splitlines() if line.strip()]
+    return torch_npu_import_failure(lines[-1] if lines else "no error text")
 
 
 # OpenVINO.

@@ -109,16 +109,21 @@ def import_torch_npu():
         raise RuntimeError(f"--device npu was requested but torch-npu is not installed; "
                            f"{hint}") from e
     except (ImportError, OSError) as e:
-        msg = str(e)
-        if any(lib in msg for lib in ("libhccl", "libascend", "libacl", "libge_runner")):
-            what = "the Ascend CANN libraries are not found (CANN missing or not sourced)"
-        elif "undefined symbol" in msg:
-            what = "torch_npu was built for another torch version"
-        else:
-            what = "torch_npu failed to import"
-        raise RuntimeError(f"--device npu: {what} ({e}); {hint}") from e
+        raise RuntimeError(f"--device npu: {torch_npu_import_failure(str(e))}") from e
     npu_version = getattr(torch_npu, "__version__", "").split("+")[0]
     if npu_version.split(".")[:2] != torch_version.split(".")[:2]:
         raise RuntimeError(f"--device npu: torch-npu {npu_version} does not match torch "
                            f"{torch_version}; {hint}")
     return torch_npu
+
+
+def torch_npu_import_failure(error: str) -> str:
+    """What the error of importing torch_npu (`error`: its message) means, and how to fix it."""
+    if any(lib in error for lib in ("libhccl", "libascend", "libacl", "libge_runner")):
+        what = "the Ascend CANN libraries are not found (CANN missing or not sourced)"
+    elif "undefined symbol" in error:
+        what = "torch_npu was built for another torch version"
+    else:
+        what = "torch_npu failed to import"
+    hint = NPU_INSTALL_HINT.format(torch_version=torch.__version__.split("+")[0])
+    return f"{what} ({error}); {hint}"
