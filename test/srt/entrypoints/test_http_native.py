@@ -134,6 +134,9 @@ def test_info_endpoints(http, server, tiny_llama_dir):
     assert s["device"] == "cpu" and s["runner"] == "eager"
     assert s["max_total_tokens"] == 16384 and s["context_length"] == 512
     assert s["eager_fallbacks"] == {} and "graph_replays" in s["stats"]
+    # Found once at start-up by airserve.devices.discover().
+    torch_devices = {d["name"]: d for d in s["devices"]["torch"]["devices"]}
+    assert torch_devices["cpu"]["available"]
     r = http.post("/flush_cache")
     assert r.status_code == 200 and "flushed" in r.text
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airserve import __version__
+from airserve.devices import discover
 from airserve.srt.entrypoints import native_api
 from airserve.srt.entrypoints.http_utils import ClientDisconnected, error_response
 from airserve.srt.entrypoints.openai_api import OpenAIServing
@@ -45,7 +46,10 @@ def model_names(args: ServerArgs, resolved_path: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None) -> FastAPI:
+def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
+               devices: dict | None = None) -> FastAPI:
+    """The routes. `devices`: `airserve.devices.discover()`, found once at start-up and served
+    in /get_server_info."""
     app = FastAPI(title="airserve", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     names = model_names(args, manager.info["model_path"])
@@ -123,7 +127,7 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None) -> Fas
             raise RequestError(500, f"the scheduler could not report: {info}")
         info = {"version": __version__, "served_model_name": names[0],
                 "tokenizer_path": args.tokenizer_path or manager.info["model_path"], **info,
-                "server_args": _server_args_dict(args)}
+                "server_args": _server_args_dict(args), "devices": devices}
         # Runner reports may hold non-JSON values (dtypes, devices): show them as text.
         return JSONResponse(json.loads(json.dumps(info, default=str)))
 
@@ -215,6 +219,9 @@ def launch_server(args: ServerArgs) -> int:
 
 
 async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socket) -> int:
+    # Discovery takes seconds (OpenVINO's plugins, a child process probing torch-npu): once, in
+    # a thread, while the scheduler process loads the model.
+    devices = asyncio.create_task(asyncio.to_thread(_discover_devices))
     await manager.start()
     metrics = None
     if args.enable_metrics:
@@ -223,7 +230,7 @@ async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socke
         metrics = ServerMetrics(model_names(args, manager.info["model_path"])[0],
                                 lambda: manager.stats)
         manager.metrics = metrics
-    app = create_app(manager, args, metrics)
+    app = create_app(manager, args, metrics, await devices)
     loop = asyncio.get_running_loop()
     verbose = args.log_level == "debug"
     config = uvicorn.Config(app, log_config=None, access_log=verbose, lifespan="off",
@@ -247,6 +254,14 @@ async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socke
     await serving
     logger.info("server stopped")
     return code
+
+
+def _discover_devices() -> dict:
+    try:
+        return discover()
+    except Exception as e:  # a diagnostic: /get_server_info reports it, the server still starts
+        logger.warning("device discovery failed: %s: %s", type(e).__name__, e)
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 async def _warmup(manager: TokenizerManager, args: ServerArgs) -> bool:
