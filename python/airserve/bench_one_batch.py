@@ -97,20 +97,6 @@ def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float
     return nbytes / best
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once (tied ones once), except the
-    embedding table, of which only a few rows are looked up, unless it is also the lm_head."""
-    embed = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is embed
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen or (p is embed and not tied):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
-
-
 def kv_bytes_per_token(runner: ModelRunner) -> int:
     k = runner.kv_cache.k_buffers[0]
     return 2 * len(runner.kv_cache.k_buffers) * k[0].numel() * k.element_size()
@@ -209,9 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     hf = transformers_model(runner) if args.compare_transformers else None
 
     bandwidth = measure_read_bandwidth()
-    weights = decode_weight_bytes(runner.model)
+    weights = runner.model.decode_weight_bytes(1)
     print(f"threads: {torch.get_num_threads()}, read bandwidth: {bandwidth / 1e9:.1f} GB/s, "
-          f"weights read per decode step: {weights / 2**20:.1f} MiB, "
+          f"weights read per decode step at bs 1: {weights / 2**20:.1f} MiB "
+          f"(float32: {runner.model.decode_weight_bytes(10**9) / 2**20:.1f} MiB), "
           f"weight-only bound: {weights / bandwidth * 1e3:.2f} ms/step")
 
     g = torch.Generator().manual_seed(server_args.random_seed)
@@ -220,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         prompts = torch.randint(0, runner.model_config.vocab_size, (bs, args.input_len),
                                 generator=g).tolist()
         mean_ctx = args.input_len + args.output_len / 2
-        bound = (weights + bs * mean_ctx * kv_bytes_per_token(runner)) / bandwidth
+        bound = (runner.model.decode_weight_bytes(bs)
+                 + bs * mean_ctx * kv_bytes_per_token(runner)) / bandwidth
         row = dict(run_name=args.run_name, batch_size=bs, input_len=args.input_len,
                    output_len=args.output_len, bound_latency=bound,
                    bandwidth_gbps=bandwidth / 1e9, threads=torch.get_num_threads(),

@@ -34,6 +34,9 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     attention_backend: str | None = None  # None: "ascend" on npu, "torch_native" elsewhere
     num_threads: int | None = None  # torch intra-op threads on cpu; None keeps torch's default
+    # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
+    # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
+    packed_decode_max_bs: int = 8
 
     # Graph runners.
     enable_torch_compile: bool = False
@@ -88,6 +91,8 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer")
+        if not 0 <= self.packed_decode_max_bs <= 16:
+            raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
         if self.max_prefill_tokens < 1:
@@ -119,6 +124,15 @@ class ServerArgs:
     @property
     def resolved_compile_backend(self) -> str:
         return self.torch_compile_backend or DEFAULT_COMPILE_BACKEND[self.device]
+
+    @property
+    def resolved_packed_decode_max_bs(self) -> int:
+        """The packed kernels are C++ operators for the host CPU: OpenVINO cannot run them
+        inside its graphs, and other devices have their own kernels."""
+        if self.device != "cpu" or (self.enable_torch_compile and
+                                    self.resolved_compile_backend == "openvino"):
+            return 0
+        return self.packed_decode_max_bs
 
     @property
     def resolved_mem_fraction_static(self) -> float:
@@ -177,6 +191,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.attention_backend)
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch intra-op threads on cpu")
+    g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
+                   help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
+                        "(cpu, float32; 0 turns it off); larger batches use float32 weights")
 
     g = parser.add_argument_group("graph runners")
     g.add_argument("--enable-torch-compile", action="store_true")

@@ -183,8 +183,10 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
 
 
-def _write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True) -> dict:
-    """Write a 2-layer model the way llama.cpp's converter would; return the HF weights."""
+def _write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True,
+                     qtypes: dict[str, T] | None = None) -> dict:
+    """Write a 2-layer model the way llama.cpp's converter would; return the HF weights.
+    `qtypes` maps a name suffix (e.g. "q_proj.weight") to the GGML type to store it as."""
     tokens, types = _tiny_vocab()
     weights = _hf_weights(arch, len(tokens), tied)
     d = _dims(arch)
@@ -216,7 +218,10 @@ def _write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = Tru
         elif arch == "llama" and "k_proj.weight" in name:
             t = _llama_cpp_permute(t, d["kv_heads"])
         a = t.numpy().astype(np.float32)
-        if name.endswith(("q_proj.weight", "up_proj.weight")):
+        qtype = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), None)
+        if qtype is not None:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        elif name.endswith(("q_proj.weight", "up_proj.weight")):
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, T.Q8_0), raw_dtype=T.Q8_0)
         elif "o_proj" in name:
             w.add_tensor(_gguf_name(name), a.astype(np.float16))
@@ -438,3 +443,104 @@ def test_default_model_tokenizer(smollm, smollm_dir) -> None:
         "def f(x):\n    return x ** two  # comment",
     ]:
         assert tok.encode(s).ids == hf_tok.encode(s, add_special_tokens=False), s
+
+
+# Block-quantized weights kept packed for decode (airserve.srt.layers.quant.block_matvec).
+_PACKED_TYPES = {"q_proj.weight": T.Q4_1, "k_proj.weight": T.Q4_0, "v_proj.weight": T.Q8_0,
+                 "o_proj.weight": T.Q4_1, "gate_proj.weight": T.Q4_1, "up_proj.weight": T.Q4_0,
+                 "down_proj.weight": T.Q4_1, "embed_tokens.weight": T.Q8_0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_tensors_equal_the_dequantized_ones(arch: str, tmp_path) -> None:
+    """Every Q4_0/Q4_1/Q8_0 tensor's blocks, un-permuted for llama Q/K, hold exactly the values
+    `tensors()` dequantizes; other types are not packed."""
+    path = str(tmp_path / "m.gguf")
+    _write_tiny_gguf(path, arch, qtypes=_PACKED_TYPES)
+    ckpt = load_gguf(path)
+    dense = dict(ckpt.tensors())
+    packed = dict(ckpt.packed_tensors())
+    assert {n.rsplit(".", 2)[-2] for n in packed} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "embed_tokens"}
+    assert not any("norm" in n or n.endswith("bias") for n in packed)
+    for name, p in packed.items():
+        assert torch.equal(p.dequantize(), dense[name]), name
+    assert packed["model.layers.0.self_attn.k_proj.weight"].kind == "q4_1"  # Q4_0 as Q4_1
+
+
+def _decode_logits(runner, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """Prefill, then `steps` greedy decode steps; the decode logits [steps, bs, vocab]."""
+    from airserve.srt.model_executor.forward_batch import ForwardMode
+
+    alloc, pool = runner.allocator, runner.req_to_token_pool
+    lens = [len(p) for p in prompts]
+    slots = [pool.allocate() for _ in prompts]
+    locs = torch.cat([alloc.allocate(s, 0, n) for s, n in zip(slots, lens)])
+    fb = runner.make_forward_batch(
+        ForwardMode.EXTEND, input_ids=[t for p in prompts for t in p],
+        positions=[i for n in lens for i in range(n)], req_pool_indices=slots, seq_lens=lens,
+        out_cache_loc=locs, extend_seq_lens=lens, extend_prefix_lens=[0] * len(prompts),
+        last_token_indices=[sum(lens[:i + 1]) - 1 for i in range(len(prompts))])
+    ids = runner.forward(fb).argmax(-1).tolist()
+    out = []
+    for _ in range(steps):
+        locs = torch.cat([alloc.allocate(s, n, n + 1) for s, n in zip(slots, lens)])
+        fb = runner.make_forward_batch(
+            ForwardMode.DECODE, input_ids=ids, positions=lens, req_pool_indices=slots,
+            seq_lens=[n + 1 for n in lens], out_cache_loc=locs)
+        logits = runner.forward(fb)
+        out.append(logits)
+        ids = logits.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    for s, n in zip(slots, lens):
+        alloc.free(s, n)
+        pool.free(s)
+    return torch.stack(out)
+
+
+def test_packed_decode_matches_float32_weights(tmp_path) -> None:
+    """Decode through the packed kernels (eager and the CPU graph runner) gives the logits of
+    the float32 weights within 1e-4 (same values, other summation order); prefill and batches
+    above --packed-decode-max-bs use the float32 weights."""
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant import block_matvec
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.server_args import ServerArgs
+
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    path = str(tmp_path / "m.gguf")
+    _write_tiny_gguf(path, "llama", qtypes=_PACKED_TYPES)
+    base = ServerArgs(model_path=path, max_total_tokens=512, max_running_requests=8)
+    plain = ModelRunner(base.replace(packed_decode_max_bs=0))
+    packed = ModelRunner(base.replace(packed_decode_max_bs=2))
+    layers = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 15 and all(m.packed is not None for m in layers)  # 2 x 7 + lm_head
+    assert not any(m.packed is not None for m in plain.model.modules() if isinstance(m, Linear))
+    assert packed.model.decode_weight_bytes(2) < plain.model.decode_weight_bytes(2) / 3
+    assert packed.model.decode_weight_bytes(3) == plain.model.decode_weight_bytes(3)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    ref = _decode_logits(plain, prompts[:2], 12)
+    got = _decode_logits(packed, prompts[:2], 12)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    graph = ModelRunner(base.replace(packed_decode_max_bs=2, enable_torch_compile=True,
+                                     cuda_graph_bs=(1, 2)))
+    torch.testing.assert_close(_decode_logits(graph, prompts[:2], 12), ref, atol=1e-4,
+                               rtol=1e-4)
+    assert graph.graph_runner.recompiles_since_capture() == 0
+    assert not graph.fallback_counts
+    # bs 3 > 2 takes the float32 weights: zeroed, they must give zero logits.
+    saved = [m.weight.detach().clone() for m in layers]
+    with torch.no_grad():
+        for m in layers:
+            m.weight.zero_()
+    try:
+        big = _decode_logits(packed, prompts, 1)
+        assert torch.count_nonzero(big) == 0
+    finally:
+        with torch.no_grad():
+            for m, w in zip(layers, saved):
+                m.weight.copy_(w)

@@ -51,7 +51,8 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         if model is None:
             model_config, model = load_model(args.model_path, args.dtype, self.device,
-                                             args.context_length)
+                                             args.context_length,
+                                             args.resolved_packed_decode_max_bs)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype

@@ -159,3 +159,28 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | list[in
     else:
         out = _BLOCK_DEQUANT[name](data.reshape(-1, type_size))
     return out.reshape(shape)
+
+
+# Types whose blocks `pack_blocks` keeps as they are, for the decode kernels of
+# airserve.srt.layers.quant.block_matvec (Q4_0 is carried as Q4_1 with m = -8 d, exact in fp16).
+PACKABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def pack_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | list[int]):
+    """A 2-D Q4_0/Q4_1/Q8_0 tensor's blocks split into (kind, qs, d, m) numpy arrays with one
+    row per output row ([N, ...]), or None for other types. `shape` is numpy order [N, K]."""
+    name, block_size, type_size = _block_layout(ggml_type)
+    if name not in PACKABLE_TYPES or len(shape) != 2:
+        return None
+    rows = int(shape[0])
+    blocks = raw.reshape(rows, -1, type_size)
+
+    def f16(start: int) -> np.ndarray:
+        return blocks[:, :, start : start + 2].copy().view(np.float16)[..., 0]
+
+    if name == "Q8_0":
+        return "q8_0", blocks[:, :, 2:].view(np.int8).reshape(rows, -1), f16(0), None
+    if name == "Q4_1":
+        return "q4_1", blocks[:, :, 4:].reshape(rows, -1), f16(0), f16(2)
+    d = f16(0)
+    return "q4_1", blocks[:, :, 2:].reshape(rows, -1), d, (d * np.float16(-8)).astype(np.float16)

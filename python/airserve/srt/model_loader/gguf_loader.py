@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from airserve.srt.model_loader.gguf_dequant import dequantize, ggml_type_name, tensor_nbytes
+from airserve.srt.layers.quant.block_matvec import PackedWeight
+from airserve.srt.model_loader.gguf_dequant import (
+    dequantize,
+    ggml_type_name,
+    pack_blocks,
+    tensor_nbytes,
+)
 from airserve.srt.model_loader.gguf_tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -255,10 +261,8 @@ class GGUFCheckpoint:
     tensor_infos: list[GGUFTensorInfo] = field(repr=False)
     _buf: mmap.mmap = field(repr=False)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, float32 tensor)` in file order, Q/K un-permuted for llama."""
-        arch = self.metadata["general.architecture"]
-        n_head, n_kv = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+    def _raw_tensors(self) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray]]:
+        """`(hf_name, info, raw bytes)` for every tensor with a HF counterpart, in file order."""
         for info in self.tensor_infos:
             name = hf_tensor_name(info.name)
             if name is None:
@@ -266,15 +270,42 @@ class GGUFCheckpoint:
             n_elements = int(np.prod(info.shape, dtype=np.int64))
             try:
                 nbytes = tensor_nbytes(info.ggml_type, n_elements)
-                raw = np.frombuffer(self._buf, dtype=np.uint8, count=nbytes, offset=info.offset)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: tensor {info.name}: {e}") from e
+            yield name, info, np.frombuffer(self._buf, dtype=np.uint8, count=nbytes,
+                                            offset=info.offset)
+
+    def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's Q/K row order for `rows` ([N, ...]) of tensor `name`."""
+        if self.metadata["general.architecture"] not in _PERMUTED_QK_ARCHS:
+            return rows
+        if ".self_attn.q_proj." in name:
+            return unpermute_qk(rows, self.config["num_attention_heads"])
+        if ".self_attn.k_proj." in name:
+            return unpermute_qk(rows, self.config["num_key_value_heads"])
+        return rows
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, float32 tensor)` in file order, Q/K un-permuted for llama."""
+        for name, info, raw in self._raw_tensors():
+            try:
                 w = dequantize(raw, info.ggml_type, info.shape)
             except ValueError as e:
                 raise ValueError(f"{self.path}: tensor {info.name}: {e}") from e
-            if arch in _PERMUTED_QK_ARCHS and ".self_attn.q_proj." in name:
-                w = unpermute_qk(w, n_head)
-            elif arch in _PERMUTED_QK_ARCHS and ".self_attn.k_proj." in name:
-                w = unpermute_qk(w, n_kv)
-            yield name, torch.from_numpy(np.ascontiguousarray(w))
+            yield name, torch.from_numpy(np.ascontiguousarray(self._unpermute(name, w)))
+
+    def packed_tensors(self) -> Iterator[tuple[str, PackedWeight]]:
+        """Yield `(hf_name, PackedWeight)` for the 2-D Q4_0/Q4_1/Q8_0 tensors, blocks kept as
+        stored (rows un-permuted like `tensors()`), for the block-quantized decode kernels."""
+        for name, info, raw in self._raw_tensors():
+            packed = pack_blocks(raw, info.ggml_type, info.shape)
+            if packed is None:
+                continue
+            kind, *parts = packed
+            qs, d, m = (None if a is None else
+                        torch.from_numpy(np.ascontiguousarray(self._unpermute(name, a)))
+                        for a in parts)
+            yield name, PackedWeight(kind, qs, d, m)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors())

@@ -89,7 +89,11 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_path: str | None, dtype: str, device: str,
-               max_positions: int | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+               max_positions: int | None = None,
+               packed_decode_max_bs: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model and load its weights. With `packed_decode_max_bs` > 0, a GGUF's
+    Q4_0/Q4_1/Q8_0 linear weights are also kept as blocks for decode batches up to that size
+    (cpu, float32 only; see airserve.srt.layers.quant.block_matvec)."""
     path = resolve_model_path(model_path)
     cfg = read_model_config(path)
     torch_dtype = resolve_dtype(dtype, device, cfg)
@@ -105,6 +109,25 @@ def load_model(model_path: str | None, dtype: str, device: str,
         param.data = param.data.to(torch_dtype)
     model.load_weights(iter_weights(path))
     model.eval().requires_grad_(False)
+    if packed_decode_max_bs and path.endswith(".gguf"):
+        attach_packed(model, path, device, torch_dtype, packed_decode_max_bs)
     logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device)
     return cfg, model
+
+
+def attach_packed(model: LlamaForCausalLM, path: str, device: str, dtype: torch.dtype,
+                  max_rows: int) -> None:
+    from airserve.srt.layers.quant import block_matvec
+
+    if device != "cpu" or dtype != torch.float32:
+        logger.info("packed GGUF decode is for cpu float32 models; %s %s uses its %s weights",
+                    device, dtype, dtype)
+        return
+    if not block_matvec.kernels_available():
+        return  # kernels_available() logged why
+    from airserve.srt.model_loader.gguf_loader import load_gguf
+
+    kinds = model.attach_packed_weights(load_gguf(path).packed_tensors(), max_rows)
+    logger.info("decode batches of <= %d rows read GGUF blocks directly: %s", max_rows,
+                ", ".join(f"{n} {k} layers" for k, n in sorted(kinds.items())) or "none")

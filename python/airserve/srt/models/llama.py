@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.layers.linear import Linear
 
 if TYPE_CHECKING:
+    from airserve.srt.layers.quant.block_matvec import PackedWeight
     from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 
@@ -85,10 +87,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         h, d = cfg.hidden_size, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -111,9 +113,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -152,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -190,3 +192,36 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+    def attach_packed_weights(self, weights: Iterable[tuple[str, PackedWeight]],
+                              max_rows: int) -> dict[str, int]:
+        """Give linear layers the block-quantized copies of their weights (HF names) for
+        inputs of <= max_rows rows. Returns {kind: layers} for the report."""
+        modules = dict(self.named_modules())
+        kinds: dict[str, int] = {}
+        for name, packed in weights:
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+                name = "lm_head.weight"
+            layer = modules.get(name.removesuffix(".weight"))
+            if not isinstance(layer, Linear):
+                continue  # e.g. an untied embedding: its lookup reads one row
+            layer.attach_packed(packed, max_rows)
+            kinds[packed.kind] = kinds.get(packed.kind, 0) + 1
+        return kinds
+
+    def decode_weight_bytes(self, batch_size: int) -> int:
+        """Bytes of weights a decode step of `batch_size` rows reads (not the embedding table,
+        of which it reads one row per sequence)."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                packed = module.packed
+                if packed is not None and batch_size <= module.packed_max_rows:
+                    total += packed.nbytes
+                else:
+                    total += module.weight.numel() * module.weight.element_size()
+                if module.bias is not None:
+                    total += module.bias.numel() * module.bias.element_size()
+            elif isinstance(module, RMSNorm):
+                total += sum(p.numel() * p.element_size() for p in module.parameters())
+        return total

@@ -1,0 +1,115 @@
+"""The block-quantized decode kernels (Q4_1/Q8_0 x float32) and the Linear layer that uses them.
+
+Reference: `PackedWeight.dequantize()` (checked against the GGUF loader's dequantization in
+test/srt/model_loader/test_gguf.py) followed by a float32 matmul. Tolerance: 1e-5 of the output
+scale; the kernels see the same values and differ only in summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.quant import block_matvec
+from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, packed_linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+
+
+def random_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    if kind == "q8_0":
+        return PackedWeight(kind, torch.randint(-128, 128, (n, k), generator=g,
+                                                dtype=torch.int8), d, None)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
+    return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
+                                            dtype=torch.uint8), d, m)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_kernel_equals_dequantized_matmul(kind: str, rows: int, k: int) -> None:
+    w = random_packed(kind, 67, k)  # odd N: the last thread's chunk is partial
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    ref = x @ w.dequantize().T
+    out = packed_linear(x, w)
+    assert out.shape == (rows, 67)
+    torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_q4_1_nibble_order_follows_ggml() -> None:
+    """Byte j of a block holds value j (low nibble) and value j + 16 (high nibble)."""
+    qs = torch.zeros(1, 16, dtype=torch.uint8)
+    qs[0, 3] = 0x5 | (0x9 << 4)
+    w = PackedWeight("q4_1", qs, torch.ones(1, 1, dtype=torch.half),
+                     torch.zeros(1, 1, dtype=torch.half))
+    x = torch.zeros(1, 32)
+    x[0, 3], x[0, 19] = 1.0, 100.0
+    assert packed_linear(x, w).item() == 5 + 9 * 100
+
+
+def test_kernel_rejects_bad_inputs() -> None:
+    w = random_packed("q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        packed_linear(torch.randn(MAX_ROWS + 1, 64), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed_linear(torch.randn(1, 64, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        packed_linear(torch.randn(1, 48), random_packed("q8_0", 8, 48 + 16))
+    with pytest.raises(RuntimeError, match=r"qs must be contiguous \[N, 32\]"):
+        packed_linear(torch.randn(1, 64), PackedWeight("q4_1", w.qs[:, :16], w.d, w.m))
+
+
+def make_linear(kind: str, bias: bool, max_rows: int) -> tuple[Linear, PackedWeight]:
+    packed = random_packed(kind, 40, 64)
+    layer = Linear(64, 40, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(packed.dequantize())
+    layer.attach_packed(packed, max_rows)
+    return layer, packed
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_uses_the_packed_weight_up_to_max_rows(bias: bool) -> None:
+    layer, packed = make_linear("q4_1", bias, max_rows=4)
+    x = torch.randn(6, 64)
+    ref = layer(x)  # 6 rows: the float32 weight
+    torch.testing.assert_close(layer(x[:4]), ref[:4], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        layer.weight.zero_()  # now only the packed path can give these values
+    torch.testing.assert_close(layer(x[:4]), ref[:4], atol=1e-5, rtol=1e-5)
+    zeros = layer(x)[:, :]
+    expected = layer.bias.expand(6, -1) if bias else torch.zeros(6, 40)
+    torch.testing.assert_close(zeros, expected)
+
+
+def test_linear_rejects_a_packed_weight_of_another_shape() -> None:
+    layer = Linear(64, 40, bias=False)
+    with pytest.raises(ValueError, match="does not match"):
+        layer.attach_packed(random_packed("q4_1", 41, 64), 4)
+    with pytest.raises(ValueError, match="max_rows=17"):
+        layer.attach_packed(random_packed("q4_1", 40, 64), 17)
+
+
+def test_compiled_graph_calls_the_kernel_in_place() -> None:
+    """Under torch.compile (fullgraph) the kernel is one node of the graph, not a break."""
+    layer, _ = make_linear("q8_0", False, max_rows=2)
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    x = torch.randn(2, 64)
+    out = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+    assert seen == [torch.ops.airserve.q8_0_matmul]  # the whole layer, in one op
+    torch.testing.assert_close(out, layer(x))
+    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(inductor, layer(x))
