@@ -6,10 +6,13 @@ buckets [1, 4], so bs 1 and 4 replay exactly, 2 and 3 replay padded in bucket 4,
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from decode_driver import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
 
+from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.attention import torch_native_backend
 from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
 from airserve.srt.model_executor.cpu_graph_runner import CPUGraphRunner
@@ -70,22 +73,31 @@ def test_larger_batch_runs_eager_and_is_counted(runners):
         r.release()
 
 
-def test_kv_writes_stay_in_place_under_inductor(runners, monkeypatch):
+def test_kv_writes_stay_in_place_under_inductor(runners):
     """Inductor must hand the op the pool itself, not a copy it writes back (that would cost a
-    whole-pool copy per step). Spies on the op's kernel, which the compiled graph calls."""
+    whole-pool copy per step). Spies on the op the compiled graph calls: the float32 C++
+    decode-attention op, whose CPU kernel is swapped for a recording one running the torch
+    reference (restored when the temporary library is destroyed)."""
     graph, _ = runners
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     seen = []
-    original = torch_native_backend.paged_decode_attention_kernel
 
     def spy(q, k, v, k_cache, v_cache, *args):
         seen.append((k_cache.data_ptr(), v_cache.data_ptr()))
-        return original(q, k, v, k_cache, v_cache, *args)
+        return torch_native_backend.paged_decode_attention_kernel(q, k, v, k_cache, v_cache,
+                                                                  *args)
 
-    monkeypatch.setattr(torch_native_backend, "paged_decode_attention_kernel", spy)
-    reqs = Requests(graph, random_prompts(graph.model_config.vocab_size, [7, 9, 11]))
-    seen.clear()  # prefill is eager and does not call the decode op anyway
-    replays = graph.graph_runner.replay_count
-    reqs.decode([1, 2, 3])
+    lib = torch.library.Library("airserve", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            lib.impl("paged_decode_attention_cpu", spy, "CPU")
+        reqs = Requests(graph, random_prompts(graph.model_config.vocab_size, [7, 9, 11]))
+        seen.clear()  # prefill is eager and does not call the decode op anyway
+        replays = graph.graph_runner.replay_count
+        reqs.decode([1, 2, 3])
+    finally:
+        lib._destroy()
     assert graph.graph_runner.replay_count == replays + 1
     cache = graph.kv_cache
     assert seen == [(k.data_ptr(), v.data_ptr())

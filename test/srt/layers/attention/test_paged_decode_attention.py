@@ -1,11 +1,21 @@
-"""The torch_native paged decode op against a dense reference (ragged lengths, GQA, pages)."""
+"""The torch_native paged decode ops (torch ops, and the float32 C++ operator) against a dense
+reference (ragged lengths, GQA, pages)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.attention.torch_native_backend import paged_decode_attention
+
+
+def cpp_op():
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    return torch.ops.airserve.paged_decode_attention_cpu.default
+
+
+OPS = {"torch": lambda: paged_decode_attention, "cpp": cpp_op}
 
 ATOL = 1e-5  # float32 on both sides
 
@@ -22,9 +32,10 @@ def reference(q, k_cache, v_cache, slots_per_row, scale):
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("op", ["torch", "cpp"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("lens", [[7], [5, 40, 17], [1, 33]])
-def test_matches_dense_reference_and_writes_only_out_cache_loc(page_size, lens):
+def test_matches_dense_reference_and_writes_only_out_cache_loc(op, page_size, lens):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 6, 2, 16
     pages, max_blocks = 160 // page_size + 1, -(-64 // page_size)  # room for every row
@@ -47,8 +58,22 @@ def test_matches_dense_reference_and_writes_only_out_cache_loc(page_size, lens):
     loc = torch.tensor([s[-1] for s in slots_per_row])
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k[loc], expected_v[loc] = k, v
-    out = paged_decode_attention(q, k, v, k_cache, v_cache, loc, table,
-                                 torch.tensor(lens, dtype=torch.int32), page_size, 0.25)
+    out = OPS[op]()(q, k, v, k_cache, v_cache, loc, table,
+                    torch.tensor(lens, dtype=torch.int32), page_size, 0.25)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots_per_row, 0.25),
                                atol=ATOL, rtol=0)
+
+
+def test_cpp_op_rejects_what_it_cannot_run():
+    op = cpp_op()
+    q, k = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
+    cache = torch.zeros(8, 2, 16)
+    table, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="float32 queries and KV cache only"):
+        op(q.bfloat16(), k, k, cache.bfloat16(), cache.bfloat16(), torch.tensor([1]), table,
+           lens, 1, 0.25)
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        op(q, k, k, cache, cache.clone(), torch.tensor([1]), table, torch.tensor([3]), 1, 0.25)
+    with pytest.raises(RuntimeError, match="out_cache_loc out of range"):
+        op(q, k, k, cache, cache.clone(), torch.tensor([8]), table, lens, 1, 0.25)

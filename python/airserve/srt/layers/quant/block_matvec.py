@@ -2,8 +2,9 @@
 
 A GGUF model's linear weights are read from the file as blocks of 32 values with fp16 scales.
 Besides the float32 copy that prefill uses, a `PackedWeight` keeps those blocks as they are, and
-`packed_linear` multiplies small batches (decode) with them through two C++ operators built on
-first use (`block_matvec.cpp`): a step then reads about a quarter of the float32 bytes. The
+`packed_linear` multiplies small batches (decode) with them through two C++ operators
+(`csrc/block_matvec.cpp`, built on first use): a step reads about a quarter of the float32
+bytes. The
 operators compute in float32 from the exact block values, so they equal `x @ w.T` with the
 dequantized weights up to summation order.
 
@@ -13,15 +14,9 @@ log and the model keeps using its float32 weights; the model runner reports whic
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 BLOCK = 32
 MAX_ROWS = 16  # the operators unpack a weight block once for at most this many rows of x
@@ -88,41 +83,14 @@ def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return torch.ops.airserve.q8_0_matmul(x, w.qs, w.d)
 
 
-_state: dict[str, object] = {}
-
-
-def _cpu_tag() -> str:
-    """Build name suffix: the kernels are compiled for this CPU (-march=native)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-
-
 def kernels_available() -> bool:
-    """Build (first call; cached on disk by torch) and load the C++ operators."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    from torch.utils import cpp_extension
+    """Whether the C++ operators are built and loaded (see airserve.srt.layers.cpu_kernels)."""
+    from airserve.srt.layers import cpu_kernels
 
-    source = os.path.join(os.path.dirname(__file__), "block_matvec.cpp")
-    try:
-        cpp_extension.load(
-            name=f"airserve_block_matvec_{_cpu_tag()}", sources=[source],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            is_python_module=False, verbose=False)
-        _state["ok"] = True
-    except Exception as e:  # a missing compiler shows up as several exception types
-        _state["ok"] = False
-        _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-        logger.warning("block-quantized decode kernels could not be built (%s); decode uses the "
-                       "float32 weights. Install a C++ compiler (g++) to enable them.",
-                       _state["error"])
-    return bool(_state["ok"])
+    return cpu_kernels.available()
 
 
 def unavailable_reason() -> str | None:
-    return _state.get("error")  # type: ignore[return-value]
+    from airserve.srt.layers import cpu_kernels
+
+    return cpu_kernels.unavailable_reason()
