@@ -137,6 +137,10 @@ def test_info_endpoints(http, server, tiny_llama_dir):
     # Found once at start-up by airserve.devices.discover().
     torch_devices = {d["name"]: d for d in s["devices"]["torch"]["devices"]}
     assert torch_devices["cpu"]["available"]
+    # A safetensors model: float32 weights, no packed layers; C++ decode attention on cpu.
+    kernels = s["decode_kernels"]
+    assert kernels["packed_layers"] == {} and kernels["packed_decode_max_bs"] == 0
+    assert kernels["cpp_decode_attention"] is True and kernels["linear_layers"] > 0
     r = http.post("/flush_cache")
     assert r.status_code == 200 and "flushed" in r.text
 

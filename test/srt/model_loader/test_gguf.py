@@ -520,6 +520,9 @@ def test_packed_decode_matches_float32_weights(tmp_path) -> None:
     assert not any(m.packed is not None for m in plain.model.modules() if isinstance(m, Linear))
     assert packed.model.decode_weight_bytes(2) < plain.model.decode_weight_bytes(2) / 3
     assert packed.model.decode_weight_bytes(3) == plain.model.decode_weight_bytes(3)
+    report = packed.kernels_report()  # what /get_server_info shows as "decode_kernels"
+    assert report["packed_layers"] == {"q4_1": 12, "q8_0": 3}  # v_proj x 2 + tied lm_head
+    assert report["packed_decode_max_bs"] == 2 and plain.kernels_report()["packed_layers"] == {}
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 9, 3)]

@@ -141,6 +141,7 @@ class Engine:
             "available_kv_tokens": runner.allocator.available_tokens(),
             "eager_fallbacks": dict(runner.fallback_counts),
             "scheduler": dict(self.scheduler.stats),
+            "decode_kernels": runner.kernels_report(),
         }
         if runner.graph_runner is not None:
             info["graph_runner"] = runner.graph_runner.report()

@@ -157,6 +157,27 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
+    def kernels_report(self) -> dict:
+        """Which decode kernels this model uses: packed GGUF weights (up to which batch size,
+        how many layers of each kind), C++ decode attention, and why not where not."""
+        from airserve.srt.layers import cpu_kernels
+        from airserve.srt.layers.linear import Linear
+
+        layers = [m for m in self.model.modules() if isinstance(m, Linear)]
+        packed = [m for m in layers if m.packed is not None]
+        kinds = Counter(m.packed_kind for m in packed)
+        report = {
+            "packed_decode_max_bs": max((m.packed_max_rows for m in packed), default=0),
+            "packed_layers": dict(kinds),
+            "linear_layers": len(layers),
+            "decode_weight_mib_bs1": round(self.model.decode_weight_bytes(1) / 2**20, 1),
+            "cpp_decode_attention": (self.device == "cpu" and self.dtype == torch.float32
+                                     and cpu_kernels.available()),
+        }
+        if cpu_kernels.unavailable_reason():
+            report["cpu_kernels_error"] = cpu_kernels.unavailable_reason()
+        return report
+
     def _count_fallback(self, reason: str) -> None:
         if reason not in self.fallback_counts:
             logger.warning("decode batch ran eager, not in the graph runner: %s "
