@@ -139,6 +139,7 @@ def check_lines(check: dict) -> list[str]:
 def write_markdown(results: dict, path: Path) -> str:
     m, c = results["machine"], results["config"]
     model = next((r.get("model_path") for r in results["modes"] if r.get("model_path")), None)
+    model = os.path.basename(model.rstrip("/")) if model else "?"  # the file, not this machine
     threads = c["num_threads"] or "torch default"
     lines = [
         "## Runner comparison", "",
