@@ -13,10 +13,14 @@ import hashlib
 import logging
 import os
 import platform
+import time
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("block_matvec.cpp", "decode_attention.cpp")
+# torch's build lock: a build killed midway leaves it behind, and every later start would wait
+# on it forever. A real build of these sources takes well under this many seconds.
+STALE_LOCK_SECONDS = 300
 _state: dict[str, object] = {}
 
 
@@ -38,9 +42,11 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     here = os.path.join(os.path.dirname(__file__), "csrc")
+    name = f"airserve_cpu_kernels_{_cpu_tag()}"
     try:
+        _remove_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         cpp_extension.load(
-            name=f"airserve_cpu_kernels_{_cpu_tag()}",
+            name=name,
             sources=[os.path.join(here, s) for s in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
@@ -52,6 +58,21 @@ def available() -> bool:
                        "ops and float32 weights. Install a C++ compiler (g++) to enable them.",
                        _state["error"])
     return bool(_state["ok"])
+
+
+def _remove_stale_lock(build_dir: str) -> None:
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock %s (%.0f s old, left by an interrupted "
+                       "build)", lock, age)
+        try:
+            os.remove(lock)
+        except FileNotFoundError:
+            pass
 
 
 def unavailable_reason() -> str | None:

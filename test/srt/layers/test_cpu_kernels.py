@@ -1,0 +1,37 @@
+"""Building airserve's C++ operators: a lock left by an interrupted build must not hang start-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from airserve.srt.layers import cpu_kernels
+
+
+def test_a_stale_build_lock_is_removed_and_the_build_completes(tmp_path):
+    """torch waits forever on a build directory's `lock` file; one older than
+    STALE_LOCK_SECONDS (a build killed midway) is removed, and the operators build and load."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    probe = ("from airserve.srt.layers import cpu_kernels as k; from torch.utils import "
+             "cpp_extension as c; print(c._get_build_directory("
+             "f'airserve_cpu_kernels_{k._cpu_tag()}', verbose=False))")
+    build_dir = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    assert build_dir.startswith(str(tmp_path))
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    run = ("from airserve.srt.layers import cpu_kernels as k; import torch; "
+           "from airserve.srt.layers.quant.block_matvec import PackedWeight, packed_linear; "
+           "assert k.available(), k.unavailable_reason(); "
+           "w = PackedWeight('q8_0', torch.ones(2, 32, dtype=torch.int8), "
+           "torch.ones(2, 1, dtype=torch.half), None); "
+           "assert packed_linear(torch.ones(1, 32), w).tolist() == [[32.0, 32.0]]")
+    out = subprocess.run([sys.executable, "-c", run], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "stale build lock" in out.stderr
+    assert not os.path.exists(lock)
