@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airserve.srt.model_executor.forward_batch import ForwardBatch
-from airserve.srt.model_executor.static_inputs import StaticDecodeInputs
+from airserve.srt.model_executor.static_inputs import StaticDecodeInputs, StaticInputsRunner
 from airserve.srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def dynamo_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class GraphRunner(ABC):
+class GraphRunner(StaticInputsRunner, ABC):
     """Captured decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
 
     Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
@@ -183,16 +183,6 @@ class GraphRunner(ABC):
         self.log_report()
 
     # Replay.
-    def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        """None if `replay(fb)` can run the batch, else why it must run eager."""
-        return self.inputs.fallback_reason(fb)
-
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return self.fallback_reason(fb) is None
-
-    def bucket_for(self, n: int) -> int:
-        return self.inputs.bucket_for(n)
-
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         n = fb.batch_size
         static = self.inputs.load(fb)
@@ -201,18 +191,6 @@ class GraphRunner(ABC):
         return logits[:n].clone() if self.outputs_reused else logits[:n]
 
     # Report.
-    def report(self) -> dict:
-        return {
-            "runner": type(self).__name__,
-            "backend": self.backend_name,
-            "buckets": list(self.buckets),
-            "padding": self.padding,
-            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
-            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
-            "memory_bytes": self.memory_bytes,
-            "replay_count": self.replay_count,
-        }
-
     def log_report(self) -> None:
         r = self.report()
         per_bucket = ", ".join(f"{bs}: {s:.2f}s" for bs, s in r["capture_seconds"].items())

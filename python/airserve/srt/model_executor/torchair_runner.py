@@ -41,7 +41,7 @@ from airserve.srt.model_executor.graph_runner import (
     dynamo_graph_count,
     get_batch_size_buckets,
 )
-from airserve.srt.model_executor.static_inputs import StaticDecodeInputs
+from airserve.srt.model_executor.static_inputs import StaticDecodeInputs, StaticInputsRunner
 from airserve.srt.model_executor.torchair_cache import (
     UNKNOWN,
     CompileCacheKey,
@@ -95,7 +95,7 @@ class DecodeStep(nn.Module):
         return types.MethodType(func, self)
 
 
-class TorchAirRunner:
+class TorchAirRunner(StaticInputsRunner):
     """Compiled decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
 
     Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
@@ -238,16 +238,6 @@ class TorchAirRunner:
         return key
 
     # Replay.
-    def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        """None if `replay(fb)` can run the batch, else why it must run eager."""
-        return self.inputs.fallback_reason(fb)
-
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return self.fallback_reason(fb) is None
-
-    def bucket_for(self, n: int) -> int:
-        return self.inputs.bucket_for(n)
-
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         n = fb.batch_size
         static = self.inputs.load(fb)
@@ -277,14 +267,7 @@ class TorchAirRunner:
 
     def report(self) -> dict:
         return {
-            "runner": type(self).__name__,
-            "backend": self.backend_name,
-            "buckets": list(self.buckets),
-            "padding": self.inputs.padding,
-            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
-            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
-            "memory_bytes": self.memory_bytes,
-            "replay_count": self.replay_count,
+            **super().report(),
             "graphs_per_bucket": dict(sorted(self.graphs.items())),
             "symbolic_inputs_per_bucket": dict(sorted(self.symbolic_inputs.items())),
             "recompiles_since_capture": self.recompiles,
