@@ -85,12 +85,9 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
     return torch.empty_like(q)
 
 
-def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor):
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, cpp_built: bool):
     """The C++ operator for float32 on the host CPU when it is built, else the torch ops."""
-    from airserve.srt.layers import cpu_kernels
-
-    if (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and cpu_kernels.available()):
+    if cpp_built and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
         return torch.ops.airserve.paged_decode_attention_cpu.default
     return paged_decode_attention
 
@@ -106,9 +103,17 @@ def _live_slots(block_table: torch.Tensor, live: int, page_size: int) -> torch.T
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, allocator, max_context_len: int) -> None:
+        super().__init__(allocator, max_context_len)
+        from airserve.srt.layers import cpu_kernels
+
+        # Built (or found unbuildable) here, not on the first decode step, which may be inside
+        # a torch.compile trace that cannot run the build.
+        self.cpp_built = allocator.req_to_token.device.type == "cpu" and cpu_kernels.available()
+
     def forward_decode(self, q, k, v, layer_id: int, scale: float, fb: ForwardBatch):
         cache = fb.kv_cache
-        op = decode_attention_op(q, cache.k_buffers[layer_id])
+        op = decode_attention_op(q, cache.k_buffers[layer_id], self.cpp_built)
         return op(
             q, k, v, cache.k_buffers[layer_id], cache.v_buffers[layer_id], fb.out_cache_loc,
             fb.attn_metadata, fb.seq_lens, cache.page_size, scale,
