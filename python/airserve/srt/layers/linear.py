@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight
+from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, block_matmul
 
 
 class Linear(nn.Linear):
@@ -36,11 +36,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The row count is static inside a captured graph, so this branch is decided at capture.
         if 0 < x.shape[0] <= self.packed_max_rows and x.dim() == 2:
-            x = x.contiguous()
-            if self.packed_kind == "q4_1":
-                out = torch.ops.airserve.q4_1_matmul(x, self.packed_qs, self.packed_d,
-                                                     self.packed_m)
-            else:
-                out = torch.ops.airserve.q8_0_matmul(x, self.packed_qs, self.packed_d)
+            out = block_matmul(x.contiguous(), self.packed_kind, self.packed_qs, self.packed_d,
+                               self.packed_m)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)

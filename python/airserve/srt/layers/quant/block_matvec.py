@@ -60,11 +60,6 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m)
                    if t is not None)
 
-    def rows(self, index: torch.Tensor | slice) -> PackedWeight:
-        """The same weight with its output rows reordered or sliced."""
-        m = None if self.m is None else self.m[index].contiguous()
-        return PackedWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(), m)
-
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], the reference the operators are tested against."""
         n = self.qs.shape[0]
@@ -76,11 +71,17 @@ class PackedWeight:
         return (values * d + self.m.float().unsqueeze(-1)).reshape(n, -1)
 
 
+def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor,
+                 m: torch.Tensor | None) -> torch.Tensor:
+    """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(weight).T, for the weight
+    whose `PackedWeight` fields are (kind, qs, d, m)."""
+    if kind == "q4_1":
+        return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
+    return torch.ops.airserve.q8_0_matmul(x, qs, d)
+
+
 def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(w).T."""
-    if w.kind == "q4_1":
-        return torch.ops.airserve.q4_1_matmul(x, w.qs, w.d, w.m)
-    return torch.ops.airserve.q8_0_matmul(x, w.qs, w.d)
+    return block_matmul(x, w.kind, w.qs, w.d, w.m)
 
 
 def kernels_available() -> bool:
