@@ -8,11 +8,15 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from airserve.srt.configs import ModelConfig
 from airserve.srt.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from airserve.srt.model_loader.gguf_loader import GGUFCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +52,7 @@ def resolve_model_path(model_path: str | None) -> str:
 
 
 def read_model_config(path: str) -> ModelConfig:
-    if path.endswith(".gguf"):
-        from airserve.srt.model_loader.gguf_loader import load_gguf
-
-        return ModelConfig.from_hf_dict(load_gguf(path).config)
+    """The config of a HF model directory (a GGUF's comes from its parsed header)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json; is it a HF model directory?")
@@ -72,11 +73,7 @@ def resolve_dtype(dtype: str, device: str, cfg: ModelConfig) -> torch.dtype:
 
 
 def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if path.endswith(".gguf"):
-        from airserve.srt.model_loader.gguf_loader import load_gguf
-
-        yield from load_gguf(path).tensors()
-        return
+    """The tensors of a HF model directory's safetensors files."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -95,7 +92,12 @@ def load_model(model_path: str | None, dtype: str, device: str,
     Q4_0/Q4_1/Q8_0 linear weights are also kept as blocks for decode batches up to that size
     (cpu, float32 only; see airserve.srt.layers.quant.block_matvec)."""
     path = resolve_model_path(model_path)
-    cfg = read_model_config(path)
+    gguf = None  # parsed once: config, weights and packed blocks all come from it
+    if path.endswith(".gguf"):
+        from airserve.srt.model_loader.gguf_loader import load_gguf
+
+        gguf = load_gguf(path)
+    cfg = ModelConfig.from_hf_dict(gguf.config) if gguf else read_model_config(path)
     torch_dtype = resolve_dtype(dtype, device, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
@@ -107,17 +109,17 @@ def load_model(model_path: str | None, dtype: str, device: str,
         model.lm_head.weight = model.model.embed_tokens.weight
     for param in model.parameters():
         param.data = param.data.to(torch_dtype)
-    model.load_weights(iter_weights(path))
+    model.load_weights(gguf.tensors() if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if packed_decode_max_bs and path.endswith(".gguf"):
-        attach_packed(model, path, device, torch_dtype, packed_decode_max_bs)
+    if packed_decode_max_bs and gguf is not None:
+        attach_packed(model, gguf, device, torch_dtype, packed_decode_max_bs)
     logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device)
     return cfg, model
 
 
-def attach_packed(model: LlamaForCausalLM, path: str, device: str, dtype: torch.dtype,
-                  max_rows: int) -> None:
+def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, device: str,
+                  dtype: torch.dtype, max_rows: int) -> None:
     from airserve.srt.layers.quant import block_matvec
 
     if device != "cpu" or dtype != torch.float32:
@@ -126,8 +128,6 @@ def attach_packed(model: LlamaForCausalLM, path: str, device: str, dtype: torch.
         return
     if not block_matvec.kernels_available():
         return  # kernels_available() logged why
-    from airserve.srt.model_loader.gguf_loader import load_gguf
-
-    kinds = model.attach_packed_weights(load_gguf(path).packed_tensors(), max_rows)
+    kinds = model.attach_packed_weights(gguf.packed_tensors(), max_rows)
     logger.info("decode batches of <= %d rows read GGUF blocks directly: %s", max_rows,
                 ", ".join(f"{n} {k} layers" for k, n in sorted(kinds.items())) or "none")
