@@ -171,8 +171,8 @@ class ModelRunner:
             "packed_layers": dict(kinds),
             "linear_layers": len(layers),
             "decode_weight_mib_bs1": round(self.model.decode_weight_bytes(1) / 2**20, 1),
-            "cpp_decode_attention": (self.device == "cpu" and self.dtype == torch.float32
-                                     and cpu_kernels.available()),
+            # The backend decided at creation; its decode op also needs float32 q and KV.
+            "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32,
         }
         if cpu_kernels.unavailable_reason():
             report["cpu_kernels_error"] = cpu_kernels.unavailable_reason()

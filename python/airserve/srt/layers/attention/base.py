@@ -18,6 +18,8 @@ class AttentionBackend(ABC):
     `init_forward_metadata_replay` (graph-time buffers sized by `init_graph_state`).
     """
 
+    cpp_built = False  # decode runs airserve's C++ operator (torch_native on cpu, float32)
+
     def __init__(self, allocator: PagedAllocator, max_context_len: int) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
