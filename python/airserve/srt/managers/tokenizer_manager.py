@@ -69,6 +69,9 @@ class _ReqState:
     error: RequestError | None = None
     last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # One snapshot per scheduler message not yet yielded: a stream sends every step, even when
+    # several arrive before the client's coroutine runs again.
+    pending: list[ReqOutput] = field(default_factory=list)
 
     def snapshot(self) -> ReqOutput:
         return ReqOutput(self.rid, self.text, len(self.output_ids), self.prompt_tokens,
@@ -203,10 +206,11 @@ class TokenizerManager:
                 state.event.clear()
                 if state.error is not None:
                     raise state.error
-                out = state.snapshot()
-                yield out
-                if out.finished:
-                    return
+                outputs, state.pending = state.pending, []
+                for out in outputs:
+                    yield out
+                    if out.finished:
+                        return
         finally:
             self._states.pop(rid, None)
             if state.finished_reason is None and state.error is None and not self.dead:
@@ -272,6 +276,7 @@ class TokenizerManager:
                 if self.metrics is not None:
                     self.metrics.observe_finished(state.prompt_tokens, len(state.output_ids),
                                                   now - state.created, finished_reason["type"])
+            state.pending.append(state.snapshot())
             state.event.set()
 
     def _on_dead(self, exitcode: int | None) -> None:
