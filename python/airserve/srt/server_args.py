@@ -13,6 +13,7 @@ COMPILE_BACKENDS = ("inductor", "openvino", "torchair", "eager")
 DEFAULT_COMPILE_BACKEND = {"cpu": "inductor", "cuda": "inductor", "npu": "torchair"}
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
+OPENVINO_WEIGHTS = ("packed", "float")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ class ServerArgs:
     openvino_precision: str = "f32"
     openvino_cache_dir: str | None = None
     openvino_num_threads: int | None = None
+    # "packed": a GGUF model's Q4_0/Q4_1/Q8_0 blocks become u4/i8 constants OpenVINO decompresses
+    # inside its matmuls; "float": the dequantized float32 weights.
+    openvino_weights: str = "packed"
+    # OpenVINO's DYNAMIC_QUANTIZATION_GROUP_SIZE for packed weights: > 0 quantizes activations
+    # to int8 per group of that many values (faster, other numerics); 0 keeps float arithmetic.
+    openvino_dynamic_quant_group_size: int = 0
 
     # HTTP server.
     host: str = "127.0.0.1"
@@ -86,6 +93,12 @@ class ServerArgs:
                 f"openvino_precision={self.openvino_precision!r}: "
                 f"choose one of {', '.join(OPENVINO_PRECISIONS)}"
             )
+        if self.openvino_weights not in OPENVINO_WEIGHTS:
+            raise ValueError(f"openvino_weights={self.openvino_weights!r}: "
+                             f"choose one of {', '.join(OPENVINO_WEIGHTS)}")
+        if self.openvino_dynamic_quant_group_size < 0:
+            raise ValueError(f"openvino_dynamic_quant_group_size="
+                             f"{self.openvino_dynamic_quant_group_size}: must be >= 0 (0 = off)")
         for name in ("page_size", "max_total_tokens", "max_running_requests", "context_length",
                      "cuda_graph_max_bs", "num_threads"):
             value = getattr(self, name)
@@ -129,10 +142,18 @@ class ServerArgs:
     def resolved_packed_decode_max_bs(self) -> int:
         """The packed kernels are C++ operators for the host CPU: OpenVINO cannot run them
         inside its graphs, and other devices have their own kernels."""
-        if self.device != "cpu" or (self.enable_torch_compile and
-                                    self.resolved_compile_backend == "openvino"):
+        if self.device != "cpu" or self.uses_openvino:
             return 0
         return self.packed_decode_max_bs
+
+    @property
+    def uses_openvino(self) -> bool:
+        return self.enable_torch_compile and self.resolved_compile_backend == "openvino"
+
+    @property
+    def openvino_packed_weights(self) -> bool:
+        """Whether OpenVINO graphs take a GGUF model's blocks as compressed weights."""
+        return self.uses_openvino and self.openvino_weights == "packed"
 
     @property
     def resolved_mem_fraction_static(self) -> float:
@@ -216,6 +237,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.openvino_precision)
     g.add_argument("--openvino-cache-dir", default=d.openvino_cache_dir)
     g.add_argument("--openvino-num-threads", type=int, default=d.openvino_num_threads)
+    g.add_argument("--openvino-weights", choices=OPENVINO_WEIGHTS, default=d.openvino_weights,
+                   help="packed: a GGUF model's 4/8-bit blocks as OpenVINO compressed weights; "
+                        "float: float32 weights")
+    g.add_argument("--openvino-dynamic-quant-group-size", type=int,
+                   default=d.openvino_dynamic_quant_group_size,
+                   help="int8 activations per group of N values in OpenVINO's matmuls with "
+                        "packed weights (faster, changes numerics); 0 (default): float")
 
     g = parser.add_argument_group("http server")
     g.add_argument("--host", default=d.host)

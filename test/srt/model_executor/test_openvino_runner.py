@@ -145,24 +145,30 @@ def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
     real = ov_execute.openvino_execute
     monkeypatch.setattr(ov_execute, "openvino_execute",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    runner: OpenVINORunner = ov.graph_runner
+    infers = sum(g.run.calls for g in runner.graphs.values())
     replays = ov.graph_replays
     decode(ov, prompts_for(3, eager.model_config.vocab_size), 5)
-    assert len(calls) == ov.graph_replays - replays == 5  # one OpenVINO inference per step
-    runner: OpenVINORunner = ov.graph_runner
+    # One OpenVINO inference per step, on the bound request (not through the stock backend).
+    assert sum(g.run.calls for g in runner.graphs.values()) - infers == 5
+    assert ov.graph_replays - replays == 5 and not calls
     report = runner.report()
     assert report["recompiles"] == 0
     assert set(report["compiled_graphs"]) >= {"1x32", "4x32"}  # start-up: every bs at 32
     assert len(report["compiled_graphs"]) == len(runner.graphs)
-    for _, compiler in runner.graphs.values():
+    assert set(report["openvino_weights"]) == {"f32"}  # no GGUF blocks: float32 weights
+    for graph in runner.graphs.values():
+        compiler = graph.compiler
         assert compiler.calls == 1 and not compiler.partition.perm_fallback
         assert list(compiler.compiled_model.get_property("EXECUTION_DEVICES")) == ["CPU"]
+        assert graph.run.request.get_compiled_model().inputs == compiler.compiled_model.inputs
 
 
 def test_kv_pool_inputs_are_only_gathered(runners):
     """The per-step cost cannot grow with the pool: OpenVINO only gathers from it."""
     runner: OpenVINORunner = runners[1].graph_runner
-    for _, compiler in runner.graphs.values():
-        consumers = compiler.pool_input_consumers(runners[1].kv_pool.num_slots)
+    for graph in runner.graphs.values():
+        consumers = graph.compiler.pool_input_consumers(runners[1].kv_pool.num_slots)
         assert consumers and set(consumers) <= POOL_READERS
 
 
@@ -175,6 +181,38 @@ def test_lost_kv_writes_are_detected(runners, monkeypatch):
     _, _, kv = decode(ov, prompts, 4, forced=ref_tokens)
     with pytest.raises(AssertionError):
         assert_kv_equal(kv, ref_kv)
+
+
+# GGUF blocks as OpenVINO compressed weights (--openvino-weights packed, the default).
+def test_gguf_blocks_run_as_compressed_weights(tmp_path, small_kv_buckets):
+    """Q4_0/Q4_1/Q8_0 layers become u4/i8 matmuls in the compiled model, and decode still
+    matches the eager float32 weights (same values; float32 rounding of the zero points)."""
+    from tiny_gguf import PACKED_TYPES, write_tiny_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
+    eager = ModelRunner(runner_args(path, 16, packed_decode_max_bs=0))
+    ov = ModelRunner(ov_args(path, 16))
+    # q, k, o, gate, up, down (Q4_0/Q4_1) x 2 layers; v (Q8_0) x 2 and the tied lm_head.
+    # (OpenVINO may merge matmuls that share an input, so types are checked, not counts.)
+    assert set(ov.graph_runner.report()["openvino_weights"]) == {"u4", "i8"}
+    assert ov.kernels_report()["packed_layers"] == {}  # the C++ block kernels are not used
+    prompts = prompts_for(3, eager.model_config.vocab_size)
+    ref_logits, ref_tokens, ref_kv = decode(eager, prompts, STEPS)
+    logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
+    assert ov.graph_replays == STEPS and not ov.fallback_counts
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert_kv_equal(kv, ref_kv)
+
+    flt = ModelRunner(ov_args(path, 16, buckets=(4,), openvino_weights="float"))
+    assert set(flt.graph_runner.report()["openvino_weights"]) == {"f32"}
+    # int8 activations: the Q4_1 minimum moves to a float16 matmul; logits close, not equal.
+    dq = ModelRunner(ov_args(path, 16, buckets=(4,), openvino_dynamic_quant_group_size=32))
+    assert set(dq.graph_runner.report()["openvino_weights"]) == {"u4", "i8", "f16"}
+    logits, _, _ = decode(dq, prompts, 4, forced=ref_tokens)
+    ref = ref_logits[:4]
+    # Measured 0.055 on this random 64-wide model; wrong weights or layouts give ~1.
+    assert 0 < (logits - ref).norm() / ref.norm() < 0.15
 
 
 # No silent fallback.
@@ -231,7 +269,8 @@ def test_bf16_hint_reaches_the_plugin_and_warns_about_the_float32_pool(tiny_llam
     import openvino
 
     runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), openvino_precision="bf16"))
-    (_, compiler), = runner.graph_runner.graphs.values()
+    (graph,) = runner.graph_runner.graphs.values()
+    compiler = graph.compiler
     assert compiler.compiled_model.get_property("INFERENCE_PRECISION_HINT") == openvino.Type.bf16
     # OpenVINO converts the float32 pool to bf16 before gathering: said at start-up.
     assert "Reorder" in compiler.pool_input_consumers(runner.kv_pool.num_slots)
@@ -241,7 +280,8 @@ def test_bf16_hint_reaches_the_plugin_and_warns_about_the_float32_pool(tiny_llam
 def test_float16_pool_with_f16_hint_is_only_gathered(tiny_llama_dir, caplog):
     runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), dtype="float16",
                                  openvino_precision="f16"))
-    (_, compiler), = runner.graph_runner.graphs.values()
+    (graph,) = runner.graph_runner.graphs.values()
+    compiler = graph.compiler
     consumers = compiler.pool_input_consumers(runner.kv_pool.num_slots)
     assert consumers and set(consumers) <= POOL_READERS
     assert "reads the whole KV pool" not in caplog.text

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from tiny_gguf import MERGES, PACKED_TYPES, SPECIAL, dims, tiny_vocab, write_tiny_gguf
 
 from airserve.srt.model_loader.gguf_dequant import GGML_TYPES, dequantize
 from airserve.srt.model_loader.gguf_loader import load_gguf
@@ -76,164 +77,6 @@ def test_dequantize_rejects_unsupported_type_and_bad_size() -> None:
         dequantize(np.zeros(33, np.uint8), T.Q8_0, (32,))
 
 
-# ---- a tiny GGUF written here --------------------------------------------------------------
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-_MERGES = ["h e", "Ġ t", "Ġt he", "Ġ 1", "1 2", "12 3"]
-_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _tiny_vocab() -> tuple[list[str], list[int]]:
-    tokens = [*_SPECIAL, *_bytes_to_unicode().values()]
-    tokens += ["".join(m.split(" ")) for m in _MERGES] + ["<think>"]
-    types = [3] * len(_SPECIAL) + [1] * (len(tokens) - len(_SPECIAL) - 1) + [4]
-    return tokens, types
-
-
-def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _dims(arch: str) -> dict[str, int]:
-    # transformers' GGUF config for qwen3 ignores attention.key_length and keeps Qwen3's
-    # head_dim of 128, so the qwen3 file uses 128 too.
-    return dict(
-        hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=128 if arch == "qwen3" else 16
-    )
-
-
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
-
-
-def _hf_weights(arch: str, vocab: int, tied: bool) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    d = _dims(arch)
-    q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-    shapes = {
-        "model.embed_tokens.weight": (vocab, d["hidden"]),
-        "model.norm.weight": (d["hidden"],),
-    }
-    if not tied:
-        shapes["lm_head.weight"] = (vocab, d["hidden"])
-    for i in range(d["layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, d["hidden"]),
-            p + "self_attn.k_proj.weight": (kv, d["hidden"]),
-            p + "self_attn.v_proj.weight": (kv, d["hidden"]),
-            p + "self_attn.o_proj.weight": (d["hidden"], q),
-            p + "mlp.gate_proj.weight": (d["inter"], d["hidden"]),
-            p + "mlp.up_proj.weight": (d["inter"], d["hidden"]),
-            p + "mlp.down_proj.weight": (d["hidden"], d["inter"]),
-            p + "input_layernorm.weight": (d["hidden"],),
-            p + "post_attention_layernorm.weight": (d["hidden"],),
-        }
-        if arch == "qwen2":
-            shapes |= {
-                p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))
-            }
-        if arch == "qwen3":
-            shapes |= {p + f"self_attn.{x}_norm.weight": (d["head_dim"],) for x in "qk"}
-    return {
-        k: torch.randn(s, generator=g) * 0.2 + (1.0 if len(s) == 1 else 0.0)
-        for k, s in shapes.items()
-    }
-
-
-def _gguf_name(hf: str) -> str:
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in fixed:
-        return fixed[hf]
-    _, _, i, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
-
-
-def _write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True,
-                     qtypes: dict[str, T] | None = None) -> dict:
-    """Write a 2-layer model the way llama.cpp's converter would; return the HF weights.
-    `qtypes` maps a name suffix (e.g. "q_proj.weight") to the GGML type to store it as."""
-    tokens, types = _tiny_vocab()
-    weights = _hf_weights(arch, len(tokens), tied)
-    d = _dims(arch)
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(d["layers"])
-    w.add_context_length(256)
-    w.add_embedding_length(d["hidden"])
-    w.add_feed_forward_length(d["inter"])
-    w.add_head_count(d["heads"])
-    w.add_head_count_kv(d["kv_heads"])
-    w.add_key_length(d["head_dim"])
-    w.add_value_length(d["head_dim"])
-    w.add_rope_dimension_count(d["head_dim"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(_MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template("{{ messages[0]['content'] }}")
-    for name, t in weights.items():
-        if arch == "llama" and "q_proj.weight" in name:
-            t = _llama_cpp_permute(t, d["heads"])
-        elif arch == "llama" and "k_proj.weight" in name:
-            t = _llama_cpp_permute(t, d["kv_heads"])
-        a = t.numpy().astype(np.float32)
-        qtype = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), None)
-        if qtype is not None:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        elif name.endswith(("q_proj.weight", "up_proj.weight")):
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, T.Q8_0), raw_dtype=T.Q8_0)
-        elif "o_proj" in name:
-            w.add_tensor(_gguf_name(name), a.astype(np.float16))
-        else:
-            w.add_tensor(_gguf_name(name), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return weights
-
-
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -246,14 +89,14 @@ def test_tiny_gguf_matches_original_weights_and_transformers(arch: str, tmp_path
     import transformers
 
     path = str(tmp_path / "tiny.gguf")
-    original = _write_tiny_gguf(path, arch)
+    original = write_tiny_gguf(path, arch)
     ckpt = load_gguf(path)
     ours = ckpt.state_dict()
     assert set(ours) == set(original)
     assert ckpt.config["model_type"] == arch and ckpt.config["tie_word_embeddings"] is True
     assert (
         ckpt.config["num_key_value_heads"] == 2
-        and ckpt.config["head_dim"] == _dims(arch)["head_dim"]
+        and ckpt.config["head_dim"] == dims(arch)["head_dim"]
     )
     for name, ref in original.items():
         # Q8_0 error per element <= half a step of absmax/127; fp16 relative 2^-11.
@@ -277,7 +120,7 @@ def test_tiny_gguf_matches_original_weights_and_transformers(arch: str, tmp_path
 
 def test_tiny_gguf_untied_has_lm_head(tmp_path) -> None:
     path = str(tmp_path / "untied.gguf")
-    original = _write_tiny_gguf(path, "llama", tied=False)
+    original = write_tiny_gguf(path, "llama", tied=False)
     ckpt = load_gguf(path)
     assert ckpt.config["tie_word_embeddings"] is False
     torch.testing.assert_close(ckpt.state_dict()["lm_head.weight"], original["lm_head.weight"])
@@ -295,7 +138,7 @@ def test_tiny_gguf_untied_has_lm_head(tmp_path) -> None:
 )
 def test_tiny_tokenizer_pre_tokenizers(pre: str, expected: list[str], tmp_path) -> None:
     path = str(tmp_path / "tok.gguf")
-    _write_tiny_gguf(path, "llama", pre=pre)
+    write_tiny_gguf(path, "llama", pre=pre)
     info = load_gguf(path).tokenizer_info
     tok = info["tokenizer"]
     assert tok.encode(" the 1234").tokens == expected
@@ -304,18 +147,18 @@ def test_tiny_tokenizer_pre_tokenizers(pre: str, expected: list[str], tmp_path) 
     enc = tok.encode("<|im_start|>he<think><|im_end|>")
     assert enc.ids == [1, tok.token_to_id("he"), tok.token_to_id("<think>"), 2]
     assert tok.decode(enc.ids) == "he<think>"
-    assert info["special_tokens"] == _SPECIAL and info["add_bos_token"] is False
+    assert info["special_tokens"] == SPECIAL and info["add_bos_token"] is False
     assert info["chat_template"] == "{{ messages[0]['content'] }}"
 
 
 def test_llama_bpe_adds_bos_unless_the_file_says_otherwise() -> None:
-    tokens, types = _tiny_vocab()
+    tokens, types = tiny_vocab()
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "llama-bpe",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": _MERGES,
+        "tokenizer.ggml.merges": MERGES,
         "tokenizer.ggml.bos_token_id": 1,
     }
     info = build_tokenizer(meta)  # llama.cpp adds BOS for this pre when the flag is absent
@@ -445,10 +288,6 @@ def test_default_model_tokenizer(smollm, smollm_dir) -> None:
         assert tok.encode(s).ids == hf_tok.encode(s, add_special_tokens=False), s
 
 
-# Block-quantized weights kept packed for decode (airserve.srt.layers.quant.block_matvec).
-_PACKED_TYPES = {"q_proj.weight": T.Q4_1, "k_proj.weight": T.Q4_0, "v_proj.weight": T.Q8_0,
-                 "o_proj.weight": T.Q4_1, "gate_proj.weight": T.Q4_1, "up_proj.weight": T.Q4_0,
-                 "down_proj.weight": T.Q4_1, "embed_tokens.weight": T.Q8_0}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -456,7 +295,7 @@ def test_packed_tensors_equal_the_dequantized_ones(arch: str, tmp_path) -> None:
     """Every Q4_0/Q4_1/Q8_0 tensor's blocks, un-permuted for llama Q/K, hold exactly the values
     `tensors()` dequantizes; other types are not packed."""
     path = str(tmp_path / "m.gguf")
-    _write_tiny_gguf(path, arch, qtypes=_PACKED_TYPES)
+    write_tiny_gguf(path, arch, qtypes=PACKED_TYPES)
     ckpt = load_gguf(path)
     dense = dict(ckpt.tensors())
     packed = dict(ckpt.packed_tensors())
@@ -511,7 +350,7 @@ def test_packed_decode_matches_float32_weights(tmp_path) -> None:
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
     path = str(tmp_path / "m.gguf")
-    _write_tiny_gguf(path, "llama", qtypes=_PACKED_TYPES)
+    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
     base = ServerArgs(model_path=path, max_total_tokens=512, max_running_requests=8)
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
     packed = ModelRunner(base.replace(packed_decode_max_bs=2))

@@ -15,12 +15,14 @@ class Linear(nn.Linear):
     packed_kind: str = ""
 
     def attach_packed(self, packed: PackedWeight, max_rows: int) -> None:
-        """Keep `packed` (the same values as `self.weight`) for inputs of <= max_rows rows."""
+        """Keep `packed` (the same values as `self.weight`) for inputs of <= max_rows rows;
+        max_rows 0 keeps the blocks for other users (OpenVINO graphs) and multiplies with the
+        float weight."""
         if tuple(packed.shape) != tuple(self.weight.shape):
             raise ValueError(f"packed weight {packed.shape} does not match "
                              f"{tuple(self.weight.shape)}")
-        if not 1 <= max_rows <= MAX_ROWS:
-            raise ValueError(f"max_rows={max_rows}: must be in 1..{MAX_ROWS}")
+        if not 0 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows={max_rows}: must be in 0..{MAX_ROWS}")
         self.register_buffer("packed_qs", packed.qs, persistent=False)
         self.register_buffer("packed_d", packed.d, persistent=False)
         self.register_buffer("packed_m", packed.m, persistent=False)
@@ -29,7 +31,7 @@ class Linear(nn.Linear):
 
     @property
     def packed(self) -> PackedWeight | None:
-        if not self.packed_max_rows:
+        if not self.packed_kind:
             return None
         return PackedWeight(self.packed_kind, self.packed_qs, self.packed_d, self.packed_m)
 

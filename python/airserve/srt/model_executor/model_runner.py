@@ -52,7 +52,8 @@ class ModelRunner:
         if model is None:
             model_config, model = load_model(args.model_path, args.dtype, self.device,
                                              args.context_length,
-                                             args.resolved_packed_decode_max_bs)
+                                             args.resolved_packed_decode_max_bs,
+                                             args.openvino_packed_weights)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
@@ -164,7 +165,7 @@ class ModelRunner:
         from airserve.srt.layers.linear import Linear
 
         layers = [m for m in self.model.modules() if isinstance(m, Linear)]
-        packed = [m for m in layers if m.packed is not None]
+        packed = [m for m in layers if m.packed is not None and m.packed_max_rows]
         kinds = Counter(m.packed_kind for m in packed)
         report = {
             "packed_decode_max_bs": max((m.packed_max_rows for m in packed), default=0),

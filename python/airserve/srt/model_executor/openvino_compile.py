@@ -48,11 +48,16 @@ def require_openvino():
 
 
 def compile_options(device: str, precision: str, num_threads: int | None,
-                    cache_dir: str | None, disabled_ops: Iterable[str] = ()) -> dict:
+                    cache_dir: str | None, disabled_ops: Iterable[str] = (),
+                    dynamic_quant_group_size: int = 0) -> dict:
     """`options` for torch.compile(backend="openvino"): the plugin config for one decode step.
 
     `cache_dir` is OpenVINO's compiled-blob cache (CACHE_DIR), which skips the plugin compile on
-    a restart. The backend's own `model_caching` stays off: in openvino 2026.4.1 a process that
+    a restart. `dynamic_quant_group_size` is the plugin's DYNAMIC_QUANTIZATION_GROUP_SIZE: its CPU
+    plugin otherwise quantizes activations to int8 in matmuls with u4/i8 weights by default
+    (group 32), even under an f32 precision hint; 0 keeps them float.
+
+    The backend's own `model_caching` stays off: in openvino 2026.4.1 a process that
     finds its cached model fails to load it (UnboundLocalError on `decoder` in
     `openvino_compile`) and the backend silently runs the graph in eager PyTorch.
     """
@@ -60,6 +65,7 @@ def compile_options(device: str, precision: str, num_threads: int | None,
         "INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision],
         "PERFORMANCE_HINT": "LATENCY",  # one request at a time, lowest latency
         "NUM_STREAMS": "1",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(dynamic_quant_group_size),
     }
     if num_threads is not None:
         config["INFERENCE_NUM_THREADS"] = str(num_threads)
@@ -226,11 +232,54 @@ class OpenVINOCompiler:
                 "OpenVINO failed to run the decode graph and the openvino backend switched it to "
                 f"eager PyTorch ({_reason(self.records)})")
 
+    def bind(self, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]
+             ) -> BoundRequest:
+        """An infer request of this graph's compiled model reading `inputs` in place, for
+        replay without dynamo's frame evaluation or the stock backend's per-call conversions.
+
+        Call after `first_run(fn, *args)`: `inputs` are the tensors of `args` (at fixed
+        addresses from now on), `outputs` what `fn` returned. Each model input and output is
+        matched by address to the tensor the stock backend handed to (got from) OpenVINO in
+        that run; a tensor that does not match is an OpenVINOFallbackError."""
+        from openvino.frontend.pytorch.torchdynamo import execute
+
+        stock = execute.req_cache[self.partition.partition_id]
+        by_address = {t.data_ptr(): t for t in inputs}
+        bound = []
+        for i in range(len(stock.model_inputs)):
+            tensor = by_address.get(stock.get_input_tensor(i).data.ctypes.data)
+            if tensor is None:
+                raise OpenVINOFallbackError(
+                    f"OpenVINO model input {i} ({stock.model_inputs[i]}) is not one of the "
+                    "decode step's input tensors: the graph cannot be replayed in place")
+            bound.append(tensor)
+        addresses = [stock.get_output_tensor(i).data.ctypes.data
+                     for i in range(len(stock.model_outputs))]
+        order = []
+        for j, out in enumerate(outputs):
+            if out.data_ptr() not in addresses:
+                raise OpenVINOFallbackError(
+                    f"output {j} of the decode step is not an OpenVINO output buffer")
+            order.append(addresses.index(out.data_ptr()))
+        return BoundRequest(self.compiled_model, bound, order)
+
     @property
     def compiled_model(self):
         from openvino.frontend.pytorch.torchdynamo import execute
 
         return execute.compiled_cache[self.partition.partition_id]
+
+    def matmul_weight_types(self) -> dict[str, int]:
+        """{element type of the weights: matmul layers} in the compiled model, e.g.
+        {"u4": 210, "i8": 1} for packed GGUF weights, {"f32": 211} for float32 ones."""
+        types: dict[str, int] = {}
+        for node in self.compiled_model.get_runtime_model().get_ops():
+            info = node.get_rt_info()
+            if "layerType" not in info or info["layerType"].astype(str) != "FullyConnected":
+                continue
+            weight = node.input(1).get_element_type().get_type_name()
+            types[weight] = types.get(weight, 0) + 1
+        return types
 
     def pool_input_consumers(self, num_slots: int) -> list[str]:
         """Layer types reading the KV-pool inputs (first dim `num_slots`) in the compiled model.
@@ -250,3 +299,26 @@ class OpenVINOCompiler:
                     types.append(info["layerType"].astype(str) if "layerType" in info
                                  else target.get_node().get_type_name())
         return types
+
+
+class BoundRequest:
+    """An OpenVINO infer request whose inputs are torch tensors shared in place: calling it runs
+    the model on their current contents and returns its outputs (in the order `bind` was given)
+    as tensors over OpenVINO's output buffers, valid until the next call."""
+
+    def __init__(self, compiled_model, inputs: list[torch.Tensor], output_order: list[int]
+                 ) -> None:
+        import openvino
+
+        self.request = compiled_model.create_infer_request()
+        self.inputs = inputs  # kept alive: OpenVINO reads their memory
+        for i, tensor in enumerate(inputs):
+            self.request.set_input_tensor(i, openvino.Tensor(tensor.numpy(), shared_memory=True))
+        self.output_order = output_order
+        self.calls = 0
+
+    def __call__(self) -> list[torch.Tensor]:
+        self.request.infer()
+        self.calls += 1
+        return [torch.from_numpy(self.request.get_output_tensor(i).data)
+                for i in self.output_order]

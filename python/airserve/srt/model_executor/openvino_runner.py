@@ -12,12 +12,17 @@ tokens plus the new token's K/V and returns the new K/V, which `replay_bucket` w
 `out_cache_loc` after the call (padded rows write the dummy slot). Outputs live in OpenVINO's
 buffers, reused by the next call: the K/V are copied into the cache and the logits cloned.
 
-Compile cost: each graph is a full trace and OpenVINO compile (~25 s for the default model on 2
-cores) and holds its own copy of the packed weights (~0.8 GB in f32). Start-up compiles every
-batch bucket at the smallest KV length, so short contexts never stall; a longer KV length is
-compiled the first time a batch needs it (one stall per pair, logged, verified and reported).
-Compiling every pair eagerly would cost (buckets x KV lengths) compiles and copies of the
-weights, most of them never used.
+Weights (`--openvino-weights`): with "packed" (the default) the graphs run a copy of the model
+whose GGUF-block linear layers are `OpenVINOLinear`s, which OpenVINO compiles to matmuls over
+u4/i8 constants (airserve.srt.layers.quant.openvino_linear); "float", or a checkpoint without
+blocks, keeps the float32 weights.
+
+Compile cost: each graph is a full trace and OpenVINO compile (~15 s for the default model on 2
+cores) and holds its own copy of the weights (~100 MiB packed, ~0.5 GB as float32). Start-up
+compiles every batch bucket at the smallest KV length, so short contexts never stall; a longer
+KV length is compiled the first time a batch needs it (one stall per pair, logged, verified and
+reported). Compiling every pair eagerly would cost (buckets x KV lengths) compiles and copies of
+the weights, most of them never used.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import bisect
 import logging
 import time
 import types
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +39,7 @@ from airserve.srt.layers.attention.openvino_backend import (
     OpenVINOAttnBackend,
     OpenVINODecodeMetadata,
 )
+from airserve.srt.layers.quant.openvino_linear import with_openvino_linears
 from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.model_executor.graph_runner import (
     GraphRunner,
@@ -40,6 +47,7 @@ from airserve.srt.model_executor.graph_runner import (
     raise_recompile_limit,
 )
 from airserve.srt.model_executor.openvino_compile import (
+    BoundRequest,
     OpenVINOCompiler,
     compile_options,
     require_openvino,
@@ -51,6 +59,15 @@ SMALLEST_KV_LEN = 256
 # Layer types that may read the KV-pool inputs in OpenVINO's runtime graph: an in-place reshape
 # and gathers. Anything else touches the whole pool every step.
 POOL_READERS = frozenset({"Reshape", "Gather"})
+
+
+@dataclass
+class DecodeGraph:
+    """One compiled decode graph and how replay calls it."""
+
+    compiler: OpenVINOCompiler  # what compiled it; the verified OpenVINO model
+    table: torch.Tensor  # [bs, kv_blocks] int32, the block-table input, refilled per step
+    run: BoundRequest  # -> [logits, new K/V] over OpenVINO's output buffers
 
 
 def kv_len_buckets(context_len: int, page_size: int,
@@ -81,7 +98,8 @@ class OpenVINORunner(GraphRunner):
         self.options = compile_options(
             self.ov_device, args.openvino_precision,
             args.openvino_num_threads or args.num_threads, args.openvino_cache_dir,
-            disabled_ops=self.disabled_ops)
+            disabled_ops=self.disabled_ops,
+            dynamic_quant_group_size=args.openvino_dynamic_quant_group_size)
         if args.openvino_cache_dir:
             logger.info("--openvino-cache-dir %s: OpenVINO's compiled-blob cache (CACHE_DIR); "
                         "the backend's model_caching stays off (in openvino 2026.4.1 its cached "
@@ -91,9 +109,16 @@ class OpenVINORunner(GraphRunner):
         self.kv_blocks = kv_len_buckets(model_runner.context_len, self.page_size,
                                         SMALLEST_KV_LEN)
         self.ov_attn = OpenVINOAttnBackend(model_runner.allocator, model_runner.context_len)
-        self.frozen = list(model_runner.model.parameters()) + list(model_runner.model.buffers())
-        # (bs, kv_blocks) -> (compiled step, its OpenVINOCompiler)
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.ov_model, self.packed_layers = model_runner.model, 0
+        if args.openvino_weights == "packed":
+            # int8 activations need integer zero points (see OpenVINOLinear).
+            self.ov_model, self.packed_layers = with_openvino_linears(
+                model_runner.model, zero_point=not args.openvino_dynamic_quant_group_size)
+            if not self.packed_layers:
+                logger.info("--openvino-weights packed: the model has no GGUF Q4_0/Q4_1/Q8_0 "
+                            "blocks; OpenVINO graphs use its %s weights", model_runner.dtype)
+        self.frozen = list(self.ov_model.parameters()) + list(self.ov_model.buffers())
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (bs, kv_blocks) -> graph
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.warned_pool_reads = False
         super().__init__(model_runner)
@@ -111,7 +136,7 @@ class OpenVINORunner(GraphRunner):
             kv_cache=KVCache(k_caches, v_caches, self.page_size),
             attn_backend=self.ov_attn, attn_metadata=meta,
         )
-        logits = self.model(input_ids, positions, fb)
+        logits = self.ov_model(input_ids, positions, fb)
         return logits, torch.stack(meta.new_k + meta.new_v)
 
     def _decode_step_copy(self, bs: int, kv_blocks: int):
@@ -123,11 +148,6 @@ class OpenVINORunner(GraphRunner):
                                   OpenVINORunner.decode_step.__globals__)
         return types.MethodType(func, self)
 
-    def _inputs(self, fb: ForwardBatch, kv_blocks: int) -> tuple:
-        # fb.attn_metadata: the [bs, max_blocks] block table the replay hook filled.
-        table = fb.attn_metadata[:, :kv_blocks].contiguous()
-        return (fb.input_ids, fb.positions, fb.seq_lens, table, self.kv_cache.k_buffers,
-                self.kv_cache.v_buffers)
 
     # Capture.
     def capture(self) -> None:
@@ -137,19 +157,30 @@ class OpenVINORunner(GraphRunner):
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         self._compile(bs, self.kv_blocks[0], fb)
 
-    def _compile(self, bs: int, kv_blocks: int, fb: ForwardBatch):
+    def _compile(self, bs: int, kv_blocks: int, fb: ForwardBatch) -> DecodeGraph:
+        """Compile (and verify) the graph of `bs` rows and `kv_blocks` block-table columns,
+        then bind an infer request to the static inputs of bucket `bs`."""
         compiler = OpenVINOCompiler(self.options, self.frozen)
         fn = torch.compile(self._decode_step_copy(bs, kv_blocks), backend=compiler,
                            fullgraph=True, dynamic=False)
+        # The graph's block-table input: the first kv_blocks columns of the bucket's table,
+        # copied here before each call.
+        table = fb.attn_metadata[:, :kv_blocks].contiguous()
+        inputs = (fb.input_ids, fb.positions, fb.seq_lens, table, *self.kv_cache.k_buffers,
+                  *self.kv_cache.v_buffers)
+        layers = len(self.kv_cache.k_buffers)
         start = time.perf_counter()
-        out = compiler.first_run(fn, *self._inputs(fb, kv_blocks), device=self.ov_device)
+        out = compiler.first_run(fn, *inputs[:4], list(inputs[4:4 + layers]),
+                                 list(inputs[4 + layers:]), device=self.ov_device)
         self.compile_seconds[(bs, kv_blocks)] = time.perf_counter() - start
-        self.graphs[(bs, kv_blocks)] = (fn, compiler)
+        graph = DecodeGraph(compiler, table, compiler.bind(inputs, out))
+        self.graphs[(bs, kv_blocks)] = graph
         self._check_pool_reads(compiler)
-        logger.info("OpenVINO decode graph bs=%d kv_len=%d compiled in %.1fs (%s, %s)",
+        logger.info("OpenVINO decode graph bs=%d kv_len=%d compiled in %.1fs (%s, %s, weights %s)",
                     bs, kv_blocks * self.page_size, self.compile_seconds[(bs, kv_blocks)],
-                    self.ov_device, self.options["config"]["INFERENCE_PRECISION_HINT"])
-        return out
+                    self.ov_device, self.options["config"]["INFERENCE_PRECISION_HINT"],
+                    self.weights_report())
+        return graph
 
     def _check_pool_reads(self, compiler: OpenVINOCompiler) -> None:
         """Warn (once) if OpenVINO touches the whole KV pool each step, not just gathers from
@@ -181,15 +212,13 @@ class OpenVINORunner(GraphRunner):
         if graph is None:
             logger.info("decode batch needs KV length %d at bs=%d: compiling it now",
                         kv_blocks * self.page_size, bs)
-            logits, new_kv = self._compile(bs, kv_blocks, fb)
-        else:
-            fn, compiler = graph
-            # Each graph has its own code object and fixed input shapes: there is no other
-            # cache entry for guards to choose, and evaluating them all (every weight and KV
-            # buffer) costs ~1 ms a step on 2 cores.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                logits, new_kv = fn(*self._inputs(fb, kv_blocks))
-            compiler.check_not_fallen_back()
+            graph = self._compile(bs, kv_blocks, fb)
+        # fb.attn_metadata: the [bs, max_blocks] block table the replay hook filled.
+        graph.table.copy_(fb.attn_metadata[:, :kv_blocks])
+        # Straight to OpenVINO: no dynamo frame evaluation (guards over every weight and KV
+        # buffer) and no per-call conversion of the ~64 inputs, ~4 ms a step on 2 cores. An
+        # OpenVINO error raises here; nothing falls back.
+        logits, new_kv = graph.run()
         self._write_kv(new_kv, fb.out_cache_loc)
         return logits
 
@@ -199,14 +228,22 @@ class OpenVINORunner(GraphRunner):
             buf.index_copy_(0, out_cache_loc, new_kv[i].to(buf.dtype))
 
     # Report.
+    def weights_report(self) -> dict[str, int]:
+        """Weight element types of the compiled matmuls, e.g. {"u4": 210, "i8": 1}: what
+        OpenVINO really multiplies with (it would show "f32" had it decompressed the blocks)."""
+        if not self.graphs:
+            return {}
+        return next(iter(self.graphs.values())).compiler.matmul_weight_types()
+
     def report(self) -> dict:
         report = super().report()
         report.update(
             openvino_device=self.ov_device,
             openvino_precision=self.options["config"]["INFERENCE_PRECISION_HINT"],
+            openvino_weights=self.weights_report(),
             kv_len_buckets=[b * self.page_size for b in self.kv_blocks],
             compiled_graphs={f"{bs}x{kv * self.page_size}": round(s, 3)
                              for (bs, kv), s in sorted(self.compile_seconds.items())},
-            recompiles=sum(c.calls - 1 for _, c in self.graphs.values()),
+            recompiles=sum(g.compiler.calls - 1 for g in self.graphs.values()),
         )
         return report

@@ -87,10 +87,13 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model_path: str | None, dtype: str, device: str,
                max_positions: int | None = None,
-               packed_decode_max_bs: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model and load its weights. With `packed_decode_max_bs` > 0, a GGUF's
-    Q4_0/Q4_1/Q8_0 linear weights are also kept as blocks for decode batches up to that size
-    (cpu, float32 only; see airserve.srt.layers.quant.block_matvec)."""
+               packed_decode_max_bs: int = 0,
+               keep_blocks: bool = False) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model and load its weights. A GGUF's Q4_0/Q4_1/Q8_0 linear weights are also
+    kept as blocks (cpu only) when `packed_decode_max_bs` > 0 (decode batches of up to that many
+    rows multiply with them, float32 models: airserve.srt.layers.quant.block_matvec) or
+    `keep_blocks` (OpenVINO graphs use them as compressed weights:
+    airserve.srt.layers.quant.openvino_linear)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -111,23 +114,28 @@ def load_model(model_path: str | None, dtype: str, device: str,
         param.data = param.data.to(torch_dtype)
     model.load_weights(gguf.tensors() if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if packed_decode_max_bs and gguf is not None:
-        attach_packed(model, gguf, device, torch_dtype, packed_decode_max_bs)
+    if (keep_blocks or packed_decode_max_bs) and gguf is not None:
+        attach_packed(model, gguf, device, torch_dtype, packed_decode_max_bs, keep_blocks)
     logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device)
     return cfg, model
 
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, device: str,
-                  dtype: torch.dtype, max_rows: int) -> None:
+                  dtype: torch.dtype, max_rows: int, keep_blocks: bool) -> None:
     from airserve.srt.layers.quant import block_matvec
 
-    if device != "cpu" or dtype != torch.float32:
-        logger.info("packed GGUF decode is for cpu float32 models; %s %s uses its %s weights",
-                    device, dtype, dtype)
+    if device != "cpu":
+        logger.info("GGUF blocks are kept on cpu only; %s uses its %s weights", device, dtype)
         return
-    if not block_matvec.kernels_available():
-        return  # kernels_available() logged why
+    if max_rows and dtype != torch.float32:
+        logger.info("packed GGUF decode is for float32 models; %s uses its weights", dtype)
+        max_rows = 0
+    elif max_rows and not block_matvec.kernels_available():
+        max_rows = 0  # kernels_available() logged why
+    if not (max_rows or keep_blocks):
+        return
     kinds = model.attach_packed_weights(gguf.packed_tensors(), max_rows)
-    logger.info("decode batches of <= %d rows read GGUF blocks directly: %s", max_rows,
-                ", ".join(f"{n} {k} layers" for k, n in sorted(kinds.items())) or "none")
+    logger.info("kept GGUF blocks of %s; decode batches of <= %d rows multiply with them",
+                ", ".join(f"{n} {k} layers" for k, n in sorted(kinds.items())) or "no layers",
+                max_rows)

@@ -1,0 +1,117 @@
+"""GGUF block weights in the form OpenVINO keeps compressed: u4 / i8 constants it decompresses
+inside its matmuls.
+
+OpenVINO's CPU (and GPU) plugin fuses `Convert(u4 or i8 constant) * scale -> MatMul` into one
+FullyConnected layer that reads the 4/8-bit weights as they are (the pattern NNCF's weight
+compression produces). Its PyTorch frontend makes a u4 constant from
+`stack((w & 15, w >> 4), -1)` on a uint8 constant (low nibble first), and an i8 constant from an
+int8 one. So `OpenVINOLinear.forward` spells a Q4_1 / Q8_0 product in exactly those torch ops;
+compiled for OpenVINO with its buffers frozen, each becomes a compressed-weight FullyConnected
+(`test_openvino_linear.py` checks the compiled model's weight types).
+
+Q4_1 (and Q4_0, carried as Q4_1) values are `d * q + m` per block of 32, written either with a
+float zero point or with m as a separate small matmul (see `OpenVINOLinear`); both give the
+dequantized weight's values up to float32 rounding.
+
+These graphs also hold about a sixth of the bytes of float32 constants (92 vs 513 MiB for the
+default model), and every compiled graph holds its own copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.quant.block_matvec import BLOCK, PackedWeight
+
+
+def ggml_nibbles_to_pairs(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in GGML's Q4 order (byte j of a block: value j low, value j + 16 high)
+    -> uint8 [N, K/2] with values 2i and 2i + 1 in byte i (low nibble first), the order of
+    OpenVINO's u4 constants."""
+    n = qs.shape[0]
+    blocks = qs.view(n, -1, BLOCK // 2)
+    values = torch.cat((blocks & 15, blocks >> 4), dim=-1)  # [N, K/32, 32] in K order
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).reshape(n, -1).contiguous()
+
+
+class OpenVINOLinear(nn.Module):
+    """y = x @ w.T (+ bias) for a GGUF block weight, in ops OpenVINO compiles to a
+    compressed-weight matmul. For OpenVINO graphs only: run eagerly it dequantizes the weight on
+    every call.
+
+    Q4_1 values d * q + m take one of two forms. `zero_point=True`: d * (q - z) with a float
+    zero point z = -m / d (one matmul; OpenVINO keeps float activations for it). False: d * q,
+    plus m times each block's sum of x as a second, small float16 matmul; the form OpenVINO's
+    int8-activation kernels (DYNAMIC_QUANTIZATION_GROUP_SIZE) take, as they need integer zero
+    points.
+    """
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
+                 zero_point: bool = True) -> None:
+        super().__init__()
+        self.kind = packed.kind
+        self.out_features, self.in_features = packed.shape
+        n, groups = self.out_features, self.in_features // BLOCK
+        d = packed.d.float().view(n, groups, 1)
+        zp = m = None
+        if packed.kind == "q8_0":
+            q = packed.qs.view(n, groups, BLOCK)
+        elif packed.kind == "q4_1":
+            q = ggml_nibbles_to_pairs(packed.qs)
+            if zero_point:
+                # A block with d == 0 holds m 32 times: q = 0, scale 1, zero point -m.
+                flat = d == 0
+                m_ = packed.m.float().view(n, groups, 1)
+                zp = torch.where(flat, -m_, -m_ / torch.where(flat, 1.0, d))
+                q = torch.where(flat, 0, q.view(n, groups, BLOCK // 2)).view(n, -1)
+                d = torch.where(flat, 1.0, d)
+            else:
+                m = packed.m.contiguous()  # float16 [N, K/32]
+        else:
+            raise ValueError(f"OpenVINOLinear: unknown block kind {packed.kind!r}")
+        self.register_buffer("qs", q.contiguous())
+        self.register_buffer("scale", d)  # float32 [N, K/32, 1]
+        self.register_buffer("zp", zp)  # float32 [N, K/32, 1] or None
+        self.register_buffer("m", m)
+        self.bias = bias
+
+    def weight_q(self) -> torch.Tensor:
+        """The integer values q, [N, K/32, 32], as ops OpenVINO folds into a u4/i8 constant."""
+        n, groups = self.out_features, self.in_features // BLOCK
+        if self.kind == "q8_0":
+            return self.qs
+        pairs = torch.stack((torch.bitwise_and(self.qs, 15),
+                             torch.bitwise_right_shift(self.qs, 4)), dim=-1)
+        return pairs.view(n, groups, BLOCK)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        q = self.weight_q().to(x.dtype)
+        if self.zp is not None:
+            q = q - self.zp.to(x.dtype)
+        y = F.linear(x, (q * self.scale.to(x.dtype)).view(n, k))
+        if self.m is not None:
+            sums = x.reshape(*x.shape[:-1], k // BLOCK, BLOCK).sum(-1)
+            y = y + F.linear(sums, self.m.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
+def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn.Module, int]:
+    """A copy of `model` for OpenVINO graphs: each `Linear` holding GGUF blocks becomes an
+    `OpenVINOLinear(zero_point=...)`; every other tensor is shared with `model`, not copied.
+    Returns the copy and how many layers were replaced (0: no blocks, a float model)."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    clone = copy.deepcopy(model, memo=shared)
+    replaced = 0
+    for name, module in list(clone.named_modules()):
+        if isinstance(module, Linear) and module.packed is not None:
+            parent, _, child = name.rpartition(".")
+            owner = clone.get_submodule(parent) if parent else clone
+            setattr(owner, child, OpenVINOLinear(module.packed, module.bias, zero_point))
+            replaced += 1
+    return clone, replaced

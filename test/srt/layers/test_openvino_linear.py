@@ -1,0 +1,125 @@
+"""GGUF block weights as OpenVINO compressed weights (OpenVINOLinear).
+
+Reference: `PackedWeight.dequantize()` (checked against the GGUF loader in test_gguf.py) and a
+float32 matmul. Tolerance 1e-5 of the output scale, eager and compiled: both forms hold the
+same values up to float32 rounding (the zero point -m / d rounds once per block).
+The compiled tests read OpenVINO's compiled model to prove the matmuls take u4/i8 weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.quant.block_matvec import PackedWeight
+from airserve.srt.layers.quant.openvino_linear import (
+    OpenVINOLinear,
+    ggml_nibbles_to_pairs,
+    with_openvino_linears,
+)
+
+
+def random_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    if kind == "q8_0":
+        return PackedWeight(kind, torch.randint(-128, 128, (n, k), generator=g,
+                                                dtype=torch.int8), d, None)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
+    d[0, 0] = 0  # a constant block (all values m), as the GGUF quantizer writes for flat data
+    return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
+                                            dtype=torch.uint8), d, m)
+
+
+def reference(x: torch.Tensor, packed: PackedWeight, bias) -> torch.Tensor:
+    y = x @ packed.dequantize().T
+    return y if bias is None else y + bias
+
+
+def assert_close_to(y: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_nibble_pairs_follow_the_k_order() -> None:
+    # GGML block byte j: value j (low nibble), value j + 16 (high nibble).
+    values = torch.arange(32, dtype=torch.uint8) % 16
+    ggml = (values[:16] | (values[16:] << 4)).view(1, 16)
+    pairs = ggml_nibbles_to_pairs(ggml)
+    unpacked = torch.stack((pairs & 15, pairs >> 4), dim=-1).view(-1)
+    assert torch.equal(unpacked, values)
+
+
+@pytest.mark.parametrize("kind,zero_point", [("q4_1", True), ("q4_1", False), ("q8_0", True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_eager_forward_equals_the_dequantized_weight(kind, zero_point, bias) -> None:
+    packed = random_packed(kind, 48, 96)
+    b = torch.randn(48) if bias else None
+    layer = OpenVINOLinear(packed, None if b is None else nn.Parameter(b), zero_point)
+    x = torch.randn(3, 96)
+    assert_close_to(layer(x), reference(x, packed, b))
+    assert (layer.zp is not None) == (kind == "q4_1" and zero_point)
+    assert (layer.m is not None) == (kind == "q4_1" and not zero_point)
+
+
+def test_unknown_kind_is_an_error() -> None:
+    packed = random_packed("q8_0", 8, 32)
+    with pytest.raises(ValueError, match="unknown block kind 'q5_k'"):
+        OpenVINOLinear(PackedWeight("q5_k", packed.qs, packed.d, None))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, q4: PackedWeight, q8: PackedWeight) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(q4.shape[1])
+        self.a = Linear(q4.shape[1], q4.shape[0], bias=True)
+        self.b = Linear(q8.shape[1], q8.shape[0], bias=False)
+        self.c = Linear(q8.shape[0], 8, bias=False)  # no blocks: stays a float Linear
+        with torch.no_grad():
+            self.a.weight.copy_(q4.dequantize())
+            self.b.weight.copy_(q8.dequantize())
+        self.a.attach_packed(q4, 0)
+        self.b.attach_packed(q8, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.relu(self.a(self.norm(x)))))
+
+
+def test_copy_replaces_block_layers_and_shares_every_other_tensor() -> None:
+    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    clone, replaced = with_openvino_linears(model)
+    assert replaced == 2
+    assert isinstance(clone.a, OpenVINOLinear) and isinstance(clone.b, OpenVINOLinear)
+    assert type(clone.c) is Linear and clone.c.weight is model.c.weight
+    assert clone.norm.weight is model.norm.weight and clone.a.bias is model.a.bias
+    assert type(model.a) is Linear  # the original keeps its layers
+    x = torch.randn(2, 96)
+    assert_close_to(clone(x), model(x))
+
+
+openvino = pytest.importorskip("openvino", reason="pip install airserve[openvino]")
+
+
+@pytest.mark.parametrize("zero_point,dq", [(True, 0), (False, 0), (False, 32)])
+def test_openvino_compiles_block_layers_to_compressed_matmuls(zero_point, dq) -> None:
+    from airserve.srt.model_executor.openvino_compile import OpenVINOCompiler, compile_options
+
+    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    clone, _ = with_openvino_linears(model, zero_point=zero_point)
+    options = compile_options("CPU", "f32", 2, None, dynamic_quant_group_size=dq)
+    compiler = OpenVINOCompiler(options, [*clone.parameters(), *clone.buffers()])
+    fn = torch.compile(clone, backend=compiler, fullgraph=True, dynamic=False)
+    x = torch.randn(4, 96)
+    y = compiler.first_run(fn, x, device="CPU")
+    types = compiler.matmul_weight_types()
+    # The 4-bit and 8-bit weights stay compressed; only the block-less layer is float32.
+    assert types.get("u4") == 1 and types.get("i8") == 1 and types.get("f32") == 1, types
+    if not zero_point:
+        assert types.get("f16") == 1  # the Q4_1 minimum's matmul
+    with torch.no_grad():
+        ref = model(x)
+    if dq:  # int8 activations: close, not equal
+        torch.testing.assert_close(y, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+    else:
+        assert_close_to(y, ref)
