@@ -7,9 +7,10 @@ from other processes lands on all of them alike. Medians over all timed steps of
 
     python benchmark/openvino/bench_openvino.py --output openvino_bench.json
 
-Table 1: decode step per batch size: eager, inductor runner, OpenVINO f32 / bf16 hint / f16
-(--dtype float16), transformers eager (batch 1); compile seconds per bucket.
-Table 2: OpenVINO f32 at batch 1 with a small and a large KV pool (--max-total-tokens).
+Table 1: decode step per batch size: eager, inductor runner, OpenVINO (packed GGUF weights, f32;
+with int8 activations; float32 weights; bf16 hint; f16 with --dtype float16), transformers eager
+(batch 1); compile seconds per bucket.
+Table 2: OpenVINO (packed, f32) at batch 1 with a small and a large KV pool (--max-total-tokens).
 """
 
 from __future__ import annotations
@@ -30,20 +31,25 @@ OPENVINO = {"enable_torch_compile": True, "torch_compile_backend": "openvino"}
 CONFIGS: dict[str, dict] = {
     "eager": {},
     "inductor": {"enable_torch_compile": True},
-    "openvino_f32": OPENVINO,
+    "openvino": OPENVINO,  # packed GGUF weights (u4/i8), f32 activations: the default
+    "openvino_dq32": dict(OPENVINO, openvino_dynamic_quant_group_size=32),
+    "openvino_float": dict(OPENVINO, openvino_weights="float"),
     "openvino_bf16": dict(OPENVINO, openvino_precision="bf16"),
     "openvino_f16": dict(OPENVINO, openvino_precision="f16", dtype="float16"),
 }
+BASE = "openvino"  # the configuration the others are compared with
 
 
 def build(name: str, base: ServerArgs, models: dict) -> tuple[ModelRunner, float]:
-    """A runner for configuration `name`, sharing weights with earlier ones of its dtype."""
+    """A runner for configuration `name`, sharing weights with earlier ones loaded the same way
+    (dtype, and which GGUF blocks the loader keeps for whom)."""
     args = base.replace(**CONFIGS[name])
     start = time.perf_counter()
-    shared = models.get(args.dtype)
+    key = (args.dtype, args.resolved_packed_decode_max_bs, args.openvino_packed_weights)
+    shared = models.get(key)
     runner = (ModelRunner(args, model_config=shared[0], model=shared[1]) if shared
               else ModelRunner(args))
-    models.setdefault(args.dtype, (runner.model_config, runner.model))
+    models.setdefault(key, (runner.model_config, runner.model))
     print(f"{name}: ready in {time.perf_counter() - start:.0f} s", flush=True)
     return runner, time.perf_counter() - start
 
@@ -92,7 +98,7 @@ def bench_pools(args, base: ServerArgs, models: dict) -> list[dict]:
     for size in args.pool_sizes:
         pool_args = base.replace(max_total_tokens=size, cuda_graph_bs=(1,),
                                  max_running_requests=1)
-        runners[size], _ = build("openvino_f32", pool_args, models)
+        runners[size], _ = build(BASE, pool_args, models)
     prompts = [[1] * args.input_len]
     steps = {size: [] for size in runners}
     for _ in range(args.rounds):
@@ -115,15 +121,15 @@ def print_tables(results: dict, pools: list[dict], batch_sizes: list[int]) -> No
             extra = f" [{r['compile_s']:.0f}]" if r and r.get("compile_s") else ""
             cells.append(f"{r['median_ms']:.1f} ({r['best_ms']:.1f}){extra}" if r else "-")
         print(f"| {bs} | " + " | ".join(cells) + " |")
-    ov = results.get("openvino_f32", {})
+    ov = results.get(BASE, {})
     for other in names:
-        if other == "openvino_f32":
+        if other == BASE:
             continue
         ratios = [f"bs {bs} {results[other][bs]['median_ms'] / ov[bs]['median_ms']:.2f}x"
                   for bs in batch_sizes if bs in results[other] and bs in ov]
-        print(f"openvino_f32 speed-up over {other}: {', '.join(ratios)}")
+        print(f"{BASE} speed-up over {other}: {', '.join(ratios)}")
     if pools:
-        print("\n| OpenVINO f32, bs 1 | KV pool MiB | decode ms, median (best) |")
+        print(f"\n| {BASE}, bs 1 | KV pool MiB | decode ms, median (best) |")
         print("|---|---|---|")
         for p in pools:
             print(f"| --max-total-tokens {p['max_total_tokens']} | {p['pool_mib']:.0f} | "

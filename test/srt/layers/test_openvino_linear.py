@@ -123,3 +123,30 @@ def test_openvino_compiles_block_layers_to_compressed_matmuls(zero_point, dq) ->
         torch.testing.assert_close(y, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
     else:
         assert_close_to(y, ref)
+
+
+def test_bound_request_reads_its_inputs_in_place() -> None:
+    """What OpenVINORunner replays through: an infer request bound to the graph's input tensors
+    (new values in the same tensors are seen without passing them again); a tensor that is not
+    one of the compiled model's inputs is an error, not a silent copy."""
+    from airserve.srt.model_executor.openvino_compile import (
+        OpenVINOCompiler,
+        OpenVINOFallbackError,
+        compile_options,
+    )
+
+    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    clone, _ = with_openvino_linears(model)
+    compiler = OpenVINOCompiler(compile_options("CPU", "f32", 2, None),
+                                [*clone.parameters(), *clone.buffers()])
+    fn = torch.compile(clone, backend=compiler, fullgraph=True, dynamic=False)
+    x = torch.randn(4, 96)
+    y = compiler.first_run(fn, x, device="CPU")
+    with pytest.raises(OpenVINOFallbackError, match="model input 0 .* not one of the decode"):
+        compiler.bind([torch.randn(4, 96)], [y])
+    bound = compiler.bind([x], [y])
+    x.copy_(torch.randn(4, 96))
+    (out,) = bound()
+    with torch.no_grad():
+        assert_close_to(out, model(x))
+    assert bound.calls == 1
