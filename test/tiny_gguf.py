@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from airserve.srt.layers.quant.block_matvec import PackedWeight
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table."""
@@ -168,3 +170,19 @@ def write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True
 PACKED_TYPES = {"q_proj.weight": T.Q4_1, "k_proj.weight": T.Q4_0, "v_proj.weight": T.Q8_0,
                  "o_proj.weight": T.Q4_1, "gate_proj.weight": T.Q4_1, "up_proj.weight": T.Q4_0,
                  "down_proj.weight": T.Q4_1, "embed_tokens.weight": T.Q8_0}
+
+
+def random_packed(kind: str, n: int, k: int, seed: int = 0, flat_block: bool = False
+                  ) -> PackedWeight:
+    """Random GGML blocks of a [n, k] weight: "q4_1" or "q8_0". `flat_block` makes the first
+    Q4_1 block constant (d = 0, all values m), as the quantizer writes for flat data."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    if kind == "q8_0":
+        return PackedWeight(kind, torch.randint(-128, 128, (n, k), generator=g,
+                                                dtype=torch.int8), d, None)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
+    if flat_block:
+        d[0, 0] = 0
+    return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
+                                            dtype=torch.uint8), d, m)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_gguf import random_packed
 
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
@@ -19,17 +20,6 @@ from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, packe
 def kernels():
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
-
-
-def random_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
-    if kind == "q8_0":
-        return PackedWeight(kind, torch.randint(-128, 128, (n, k), generator=g,
-                                                dtype=torch.int8), d, None)
-    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
-    return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
-                                            dtype=torch.uint8), d, m)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_gguf import random_packed
 from torch import nn
 
 from airserve.srt.layers.linear import Linear
@@ -19,18 +20,6 @@ from airserve.srt.layers.quant.openvino_linear import (
     ggml_nibbles_to_pairs,
     with_openvino_linears,
 )
-
-
-def random_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
-    if kind == "q8_0":
-        return PackedWeight(kind, torch.randint(-128, 128, (n, k), generator=g,
-                                                dtype=torch.int8), d, None)
-    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
-    d[0, 0] = 0  # a constant block (all values m), as the GGUF quantizer writes for flat data
-    return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
-                                            dtype=torch.uint8), d, m)
 
 
 def reference(x: torch.Tensor, packed: PackedWeight, bias) -> torch.Tensor:
@@ -54,7 +43,7 @@ def test_nibble_pairs_follow_the_k_order() -> None:
 @pytest.mark.parametrize("kind,zero_point", [("q4_1", True), ("q4_1", False), ("q8_0", True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_eager_forward_equals_the_dequantized_weight(kind, zero_point, bias) -> None:
-    packed = random_packed(kind, 48, 96)
+    packed = random_packed(kind, 48, 96, flat_block=True)
     b = torch.randn(48) if bias else None
     layer = OpenVINOLinear(packed, None if b is None else nn.Parameter(b), zero_point)
     x = torch.randn(3, 96)
@@ -86,8 +75,13 @@ class TwoLayers(nn.Module):
         return self.c(self.b(torch.relu(self.a(self.norm(x)))))
 
 
+def two_layers() -> TwoLayers:
+    return TwoLayers(random_packed("q4_1", 64, 96, flat_block=True),
+                     random_packed("q8_0", 32, 64, seed=1))
+
+
 def test_copy_replaces_block_layers_and_shares_every_other_tensor() -> None:
-    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    model = two_layers()
     clone, replaced = with_openvino_linears(model)
     assert replaced == 2
     assert isinstance(clone.a, OpenVINOLinear) and isinstance(clone.b, OpenVINOLinear)
@@ -105,7 +99,7 @@ openvino = pytest.importorskip("openvino", reason="pip install airserve[openvino
 def test_openvino_compiles_block_layers_to_compressed_matmuls(zero_point, dq) -> None:
     from airserve.srt.model_executor.openvino_compile import OpenVINOCompiler, compile_options
 
-    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    model = two_layers()
     clone, _ = with_openvino_linears(model, zero_point=zero_point)
     options = compile_options("CPU", "f32", 2, None, dynamic_quant_group_size=dq)
     compiler = OpenVINOCompiler(options, [*clone.parameters(), *clone.buffers()])
@@ -135,7 +129,7 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
         compile_options,
     )
 
-    model = TwoLayers(random_packed("q4_1", 64, 96), random_packed("q8_0", 32, 64, seed=1))
+    model = two_layers()
     clone, _ = with_openvino_linears(model)
     compiler = OpenVINOCompiler(compile_options("CPU", "f32", 2, None),
                                 [*clone.parameters(), *clone.buffers()])
