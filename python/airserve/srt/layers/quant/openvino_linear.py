@@ -7,14 +7,18 @@ compression produces). Its PyTorch frontend makes a u4 constant from
 `stack((w & 15, w >> 4), -1)` on a uint8 constant (low nibble first), and an i8 constant from an
 int8 one. So `OpenVINOLinear.forward` spells a Q4_1 / Q8_0 product in exactly those torch ops;
 compiled for OpenVINO with its buffers frozen, each becomes a compressed-weight FullyConnected
-(`test_openvino_linear.py` checks the compiled model's weight types).
+(`test_openvino_linear.py` checks the compiled model's weight types). Sources: openvino's
+`u4_compression_stack` (src/frontends/pytorch/src/utils_quantize.cpp) and the torch.compile
+backend's `Partitioner.capture_nncf_patterns` (frontend/pytorch/torchdynamo/partition.py), which
+keeps that pattern inside the OpenVINO partition.
 
 Q4_1 (and Q4_0, carried as Q4_1) values are `d * q + m` per block of 32, written either with a
 float zero point or with m as a separate small matmul (see `OpenVINOLinear`); both give the
 dequantized weight's values up to float32 rounding.
 
-These graphs also hold about a sixth of the bytes of float32 constants (92 vs 513 MiB for the
-default model), and every compiled graph holds its own copy.
+Projections of one input (q/k/v, gate/up) whose blocks share a kind are merged into one such
+layer: fewer, larger matmuls. The graphs also hold about a fifth of the bytes of float32
+constants (~100 vs 513 MiB for the default model); every compiled graph holds its own copy.
 """
 
 from __future__ import annotations
