@@ -17,12 +17,15 @@ whose GGUF-block linear layers are `OpenVINOLinear`s, which OpenVINO compiles to
 u4/i8 constants (airserve.srt.layers.quant.openvino_linear); "float", or a checkpoint without
 blocks, keeps the float32 weights.
 
-Compile cost: each graph is a full trace and OpenVINO compile (~15 s for the default model on 2
-cores) and holds its own copy of the weights (~100 MiB packed, ~0.5 GB as float32). Start-up
-compiles every batch bucket at the smallest KV length, so short contexts never stall; a longer
-KV length is compiled the first time a batch needs it (one stall per pair, logged, verified and
-reported). Compiling every pair eagerly would cost (buckets x KV lengths) compiles and copies of
-the weights, most of them never used.
+Compile cost: each graph is a full trace and OpenVINO compile (default model, 2 cores: ~30 s
+packed, ~17 s float32) and holds its own copy of the weights (~100 MiB packed, ~0.5 GB
+float32). Start-up compiles every batch bucket at the smallest KV length, so short contexts
+never stall; a longer KV length is compiled the first time a batch needs it (one stall per
+pair, logged, verified and reported). Compiling every pair eagerly would cost (buckets x KV
+lengths) compiles and copies of the weights, most of them never used.
+
+Replay calls each graph's `BoundRequest`: an OpenVINO infer request of the verified compiled
+model whose inputs are the static decode tensors and the KV pool, shared in place.
 """
 
 from __future__ import annotations
@@ -166,14 +169,12 @@ class OpenVINORunner(GraphRunner):
         # The graph's block-table input: the first kv_blocks columns of the bucket's table,
         # copied here before each call.
         table = fb.attn_metadata[:, :kv_blocks].contiguous()
-        inputs = (fb.input_ids, fb.positions, fb.seq_lens, table, *self.kv_cache.k_buffers,
-                  *self.kv_cache.v_buffers)
-        layers = len(self.kv_cache.k_buffers)
+        step = (fb.input_ids, fb.positions, fb.seq_lens, table)
+        k, v = self.kv_cache.k_buffers, self.kv_cache.v_buffers
         start = time.perf_counter()
-        out = compiler.first_run(fn, *inputs[:4], list(inputs[4:4 + layers]),
-                                 list(inputs[4 + layers:]), device=self.ov_device)
+        out = compiler.first_run(fn, *step, k, v, device=self.ov_device)
         self.compile_seconds[(bs, kv_blocks)] = time.perf_counter() - start
-        graph = DecodeGraph(compiler, table, compiler.bind(inputs, out))
+        graph = DecodeGraph(compiler, table, compiler.bind([*step, *k, *v], out))
         self.graphs[(bs, kv_blocks)] = graph
         self._check_pool_reads(compiler)
         logger.info("OpenVINO decode graph bs=%d kv_len=%d compiled in %.1fs (%s, %s, weights %s)",
