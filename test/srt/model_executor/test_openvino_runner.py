@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_driver import Requests
 
-from airserve.srt.model_executor.forward_batch import ForwardMode
 from airserve.srt.model_executor.graph_runner import GraphCaptureError
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
@@ -72,39 +72,22 @@ def decode(runner: ModelRunner, prompts: list[list[int]], steps: int,
 
     Returns decode logits [steps, n, vocab], the tokens, and each request's K and V over its
     whole sequence [layers, len, KVH, D]. Frees the request slots and pages afterwards."""
-    alloc, pool = runner.allocator, runner.req_to_token_pool
-    slots = [pool.allocate() for _ in prompts]
-    lens = [len(p) for p in prompts]
-    locs = [alloc.allocate(s, 0, n) for s, n in zip(slots, lens)]
-    fb = runner.make_forward_batch(
-        ForwardMode.EXTEND, input_ids=[t for p in prompts for t in p],
-        positions=[i for p in prompts for i in range(len(p))], req_pool_indices=slots,
-        seq_lens=lens, out_cache_loc=torch.cat(locs), extend_seq_lens=lens,
-        extend_prefix_lens=[0] * len(prompts),
-        last_token_indices=torch.tensor(lens).cumsum(0).sub(1).tolist())
-    first = runner.forward(fb).argmax(-1).tolist()
+    reqs = Requests(runner, prompts)
+    first = reqs.prefill_logits.argmax(-1).tolist()
     tokens = [[t] for t in first] if forced is None else [[f[0]] for f in forced]
     logits = []
     for step in range(steps):
-        cur = [n + step for n in lens]
-        locs = [alloc.allocate(s, c, c + 1) for s, c in zip(slots, cur)]
-        fb = runner.make_forward_batch(
-            ForwardMode.DECODE, input_ids=[t[-1] for t in tokens], positions=cur,
-            req_pool_indices=slots, seq_lens=[c + 1 for c in cur],
-            out_cache_loc=torch.cat(locs))
-        out = runner.forward(fb)
+        out = reqs.decode([t[-1] for t in tokens])
         logits.append(out.clone())
         nxt = out.argmax(-1).tolist() if forced is None else [f[step + 1] for f in forced]
         for t, x in zip(tokens, nxt):
             t.append(x)
     kv = []
-    for s, n in zip(slots, lens):
-        total = n + steps
-        where = pool.req_to_token[s, :total].long()
+    for slot, n in zip(reqs.slots, reqs.lens):
+        where = runner.req_to_token_pool.req_to_token[slot, :n].long()
         kv.append((torch.stack([k[where] for k in runner.kv_cache.k_buffers]),
                    torch.stack([v[where] for v in runner.kv_cache.v_buffers])))
-        alloc.free(s, total)
-        pool.free(s)
+    reqs.release()
     return torch.stack(logits), tokens, kv
 
 

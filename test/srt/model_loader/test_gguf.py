@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from decode_driver import Requests
 from gguf import GGMLQuantizationType as T
 from tiny_gguf import MERGES, PACKED_TYPES, SPECIAL, dims, tiny_vocab, write_tiny_gguf
 
@@ -310,31 +311,12 @@ def test_packed_tensors_equal_the_dequantized_ones(arch: str, tmp_path) -> None:
 
 def _decode_logits(runner, prompts: list[list[int]], steps: int) -> torch.Tensor:
     """Prefill, then `steps` greedy decode steps; the decode logits [steps, bs, vocab]."""
-    from airserve.srt.model_executor.forward_batch import ForwardMode
-
-    alloc, pool = runner.allocator, runner.req_to_token_pool
-    lens = [len(p) for p in prompts]
-    slots = [pool.allocate() for _ in prompts]
-    locs = torch.cat([alloc.allocate(s, 0, n) for s, n in zip(slots, lens)])
-    fb = runner.make_forward_batch(
-        ForwardMode.EXTEND, input_ids=[t for p in prompts for t in p],
-        positions=[i for n in lens for i in range(n)], req_pool_indices=slots, seq_lens=lens,
-        out_cache_loc=locs, extend_seq_lens=lens, extend_prefix_lens=[0] * len(prompts),
-        last_token_indices=[sum(lens[:i + 1]) - 1 for i in range(len(prompts))])
-    ids = runner.forward(fb).argmax(-1).tolist()
-    out = []
+    reqs = Requests(runner, prompts)
+    ids, out = reqs.prefill_logits.argmax(-1).tolist(), []
     for _ in range(steps):
-        locs = torch.cat([alloc.allocate(s, n, n + 1) for s, n in zip(slots, lens)])
-        fb = runner.make_forward_batch(
-            ForwardMode.DECODE, input_ids=ids, positions=lens, req_pool_indices=slots,
-            seq_lens=[n + 1 for n in lens], out_cache_loc=locs)
-        logits = runner.forward(fb)
-        out.append(logits)
-        ids = logits.argmax(-1).tolist()
-        lens = [n + 1 for n in lens]
-    for s, n in zip(slots, lens):
-        alloc.free(s, n)
-        pool.free(s)
+        out.append(reqs.decode(ids))
+        ids = out[-1].argmax(-1).tolist()
+    reqs.release()
     return torch.stack(out)
 
 
