@@ -17,7 +17,7 @@ from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant.block_matvec import PackedWeight
 from airserve.srt.layers.quant.openvino_linear import (
     OpenVINOLinear,
-    ggml_nibbles_to_pairs,
+    u4_pairs,
     with_openvino_linears,
 )
 
@@ -35,7 +35,8 @@ def test_nibble_pairs_follow_the_k_order() -> None:
     # GGML block byte j: value j (low nibble), value j + 16 (high nibble).
     values = torch.arange(32, dtype=torch.uint8) % 16
     ggml = (values[:16] | (values[16:] << 4)).view(1, 16)
-    pairs = ggml_nibbles_to_pairs(ggml)
+    packed = PackedWeight("q4_1", ggml, torch.ones(1, 1).half(), torch.zeros(1, 1).half())
+    pairs = u4_pairs(packed.values())
     unpacked = torch.stack((pairs & 15, pairs >> 4), dim=-1).view(-1)
     assert torch.equal(unpacked, values)
 

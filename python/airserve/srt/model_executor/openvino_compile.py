@@ -213,7 +213,10 @@ class OpenVINOCompiler:
         part = parts[0]
         if not isinstance(part, execute.OpenVINOGraphModule):
             raise OpenVINOFallbackError("the decode graph has not run through OpenVINO yet")
-        self.check_not_fallen_back(part)
+        if part.perm_fallback:  # the stock backend's switch to eager after a run-time error
+            raise OpenVINOFallbackError(
+                "OpenVINO failed to run the decode graph and the openvino backend switched it to "
+                f"eager PyTorch ({_reason(self.records)})")
         compiled = execute.compiled_cache.get(part.partition_id)
         if compiled is None:
             raise OpenVINOFallbackError("no OpenVINO compiled model for the decode graph")
@@ -222,15 +225,6 @@ class OpenVINOCompiler:
                    for d in ran_on):
             raise OpenVINOFallbackError(f"OpenVINO ran the graph on {ran_on}, not on {device}")
         self.partition = part
-
-    def check_not_fallen_back(self, part=None) -> None:
-        """Cheap per-step check: the stock backend switches to eager PyTorch after any run-time
-        error in OpenVINO, without raising."""
-        part = part if part is not None else self.partition
-        if part.perm_fallback:
-            raise OpenVINOFallbackError(
-                "OpenVINO failed to run the decode graph and the openvino backend switched it to "
-                f"eager PyTorch ({_reason(self.records)})")
 
     def bind(self, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]
              ) -> BoundRequest:

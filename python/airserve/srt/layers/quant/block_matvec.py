@@ -4,9 +4,8 @@ A GGUF model's linear weights are read from the file as blocks of 32 values with
 Besides the float32 copy that prefill uses, a `PackedWeight` keeps those blocks as they are, and
 `packed_linear` multiplies small batches (decode) with them through two C++ operators
 (`csrc/block_matvec.cpp`, built on first use): a step reads about a quarter of the float32
-bytes. The
-operators compute in float32 from the exact block values, so they equal `x @ w.T` with the
-dequantized weights up to summation order.
+bytes. The operators compute in float32 from the exact block values, so they equal `x @ w.T`
+with the dequantized weights up to summation order.
 
 If the operators cannot be built (no C++ compiler), `kernels_available()` says why once in the
 log and the model keeps using its float32 weights; the model runner reports which path it uses.
@@ -60,15 +59,22 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m)
                    if t is not None)
 
+    def values(self) -> torch.Tensor:
+        """The integer values q of every block in K order: [N, K/32, 32], uint8 (q4_1, 0..15)
+        or int8 (q8_0)."""
+        n = self.qs.shape[0]
+        if self.kind == "q8_0":
+            return self.qs.view(n, -1, BLOCK)
+        q = self.qs.view(n, -1, BLOCK // 2)
+        return torch.cat([q & 15, q >> 4], dim=-1)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], the reference the operators are tested against."""
         n = self.qs.shape[0]
-        d = self.d.float().unsqueeze(-1)
-        if self.kind == "q8_0":
-            return (self.qs.view(n, -1, BLOCK).float() * d).reshape(n, -1)
-        q = self.qs.view(n, -1, BLOCK // 2)
-        values = torch.cat([q & 15, q >> 4], dim=-1).float()
-        return (values * d + self.m.float().unsqueeze(-1)).reshape(n, -1)
+        w = self.values().float() * self.d.float().unsqueeze(-1)
+        if self.m is not None:
+            w = w + self.m.float().unsqueeze(-1)
+        return w.reshape(n, -1)
 
 
 def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor,
