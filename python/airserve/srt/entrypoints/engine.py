@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator, Sequence
 
+from airserve.srt.managers.engine_core import EngineCore, build_req
 from airserve.srt.managers.req import Req
-from airserve.srt.managers.scheduler import Scheduler
-from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.server_args import ServerArgs
-from airserve.srt.tokenizer import IncrementalDecoder, Tokenizer, get_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def build_req(tokenizer: Tokenizer, input_ids: list[int], params: SamplingParams,
-              rid: str | None = None, stream: bool = False) -> Req:
-    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
-    return Req(rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params,
-               decoder=decoder, stream=stream)
 
 
 def req_output(req: Req, text: str | None = None) -> dict:
@@ -35,22 +25,15 @@ def req_output(req: Req, text: str | None = None) -> dict:
             "output_ids": list(req.output_ids), "meta_info": meta}
 
 
-def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int, ...]:
-    ids = set(model_runner.model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
-    return tuple(sorted(ids))
-
-
 class Engine:
     """`Engine(model_path=None, device="cpu", **server_args)`; see ServerArgs for the names."""
 
     def __init__(self, model_path: str | None = None, device: str = "cpu", **kwargs) -> None:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, device=device, **kwargs)
-        args = self.server_args
-        self.tokenizer = get_tokenizer(args.tokenizer_path or args.model_path)
-        self.model_runner = ModelRunner(args)
-        self.scheduler = Scheduler(self.model_runner, eos_token_ids(self.model_runner,
-                                                                    self.tokenizer),
-                                   args.max_prefill_tokens)
+        self.core = EngineCore(self.server_args)
+        self.tokenizer = self.core.tokenizer
+        self.model_runner = self.core.model_runner
+        self.scheduler = self.core.scheduler
         self._closed = False
 
     def generate(self, prompt: str | Sequence[str] | None = None,
@@ -132,20 +115,7 @@ class Engine:
                     self.scheduler.abort(req.rid)
 
     def get_server_info(self) -> dict:
-        runner = self.model_runner
-        info = {
-            "server_args": {k: v for k, v in vars(self.server_args).items() if k != "extra"},
-            "device": runner.device,
-            "context_length": runner.context_len,
-            "max_total_tokens": runner.allocator.total_usable_pages * runner.allocator.page_size,
-            "available_kv_tokens": runner.allocator.available_tokens(),
-            "eager_fallbacks": dict(runner.fallback_counts),
-            "scheduler": dict(self.scheduler.stats),
-            "decode_kernels": runner.kernels_report(),
-        }
-        if runner.graph_runner is not None:
-            info["graph_runner"] = runner.graph_runner.report()
-        return info
+        return self.core.get_server_info()
 
     def shutdown(self) -> None:
         self._closed = True

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.managers import isolation
 from airserve.srt.managers.req import Req
 from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
-from airserve.srt.sampling.sampler import sample
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Scheduler:
         self.running: list[Req] = []
         self._finished: list[Req] = []
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "retractions": 0,
-                      "finished_requests": 0, "aborted_requests": 0}
+                      "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
 
     # Requests in and out.
     def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
@@ -56,11 +56,14 @@ class Scheduler:
                 f"the prompt has {n} tokens; the context length is {self.context_len} "
                 "(the prompt plus at least one new token must fit)"
             )
-        if self.allocator.pages_needed(0, n + 1) > self.allocator.total_usable_pages:
+        # A request never holds more than its prompt + outputs, nor more than the context.
+        need = min(n + max(max_new_tokens, 1), self.context_len)
+        if self.allocator.pages_needed(0, need) > self.allocator.total_usable_pages:
+            pool = self.allocator.total_usable_pages * self.allocator.page_size
             raise ValueError(
-                f"the prompt has {n} tokens but the KV cache holds "
-                f"{self.allocator.total_usable_pages * self.allocator.page_size}; raise "
-                "--max-total-tokens or --mem-fraction-static"
+                f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) can never fit "
+                f"the KV pool of {pool} tokens; raise --max-total-tokens (or "
+                "--mem-fraction-static), or ask for fewer tokens"
             )
 
     def add_request(self, req: Req) -> None:
@@ -92,8 +95,8 @@ class Scheduler:
         batch = self.next_batch()
         updated: list[Req] = []
         if batch is not None:
-            logits = self.runner.forward(batch.fb)
-            updated = self.process(batch, logits)
+            rows, logits = isolation.forward_isolated(self, batch)
+            updated = self.process(batch, logits, rows)
         updated.extend(r for r in self._finished if r not in updated)
         self._finished = []
         return updated
@@ -181,26 +184,58 @@ class Scheduler:
         )
 
     # Results.
-    def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
-        reqs = batch.reqs
-        banned = [self.eos_token_ids if len(r.output_ids) < r.sampling_params.min_new_tokens
-                  else () for r in reqs]
-        next_ids = sample(logits, [r.sampling_params for r in reqs], [r.input_ids for r in reqs],
-                          [r.output_ids for r in reqs], [r.generator for r in reqs], banned)
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor,
+                rows: list[int] | None = None) -> list[Req]:
+        """Sample and append one token per row of `logits`, which are the batch's `rows` (all by
+        default). A request whose sampling or bookkeeping raises fails alone."""
+        rows = list(range(len(batch.reqs))) if rows is None else rows
+        reqs = [batch.reqs[i] for i in rows]
+        next_ids = isolation.sample_isolated(self, reqs, logits,
+                                             [batch.fb.seq_lens_cpu[i] for i in rows])
         now = time.perf_counter()
-        for i, (req, token) in enumerate(zip(reqs, next_ids)):
-            req.kv_len = batch.fb.seq_lens_cpu[i]
-            req.output_ids.append(token)
-            req.first_token_time = req.first_token_time or now
-            self.stats["generated_tokens"] += 1
-            reason = self._check_finished(req, token)
+        for i, req, token in zip(rows, reqs, next_ids):
+            if token is None:  # failed while sampling
+                continue
+            try:
+                req.kv_len = batch.fb.seq_lens_cpu[i]
+                req.output_ids.append(token)
+                req.first_token_time = req.first_token_time or now
+                self.stats["generated_tokens"] += 1
+                reason = self._check_finished(req, token)
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                self.fail_request(req, e, "processing its new token", batch.fb.seq_lens_cpu[i])
+                continue
             if batch.fb.forward_mode.is_extend():
                 self.running.append(req)
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)
                 self._finish(req, reason)
-        return list(reqs)
+        return list(batch.reqs)
+
+    def fail_request(self, req: Req, error: Exception, stage: str, kv_len: int) -> None:
+        """End one request with an error (HTTP 400 when its own values caused it, else 500):
+        out of the running batch, its KV (`kv_len` tokens allocated) freed."""
+        status = isolation.status_for(error)
+        logger.error("request %s failed while %s (HTTP %d): %s: %s", req.rid, stage, status,
+                     type(error).__name__, error, exc_info=status >= 500)
+        if req in self.running:
+            self.running.remove(req)
+        req.kv_len = kv_len
+        self._release(req)
+        self.stats["failed_requests"] += 1
+        self._finish(req, {"type": "abort", "status_code": status,
+                           "message": f"the request failed while {stage}: "
+                                      f"{type(error).__name__}: {error}"})
+
+    def fail_unattributed(self, message: str) -> list[Req]:
+        """A step raised where no request could be blamed: fail every running request (the
+        step may have left them half-updated); the waiting ones stay queued."""
+        failed = list(self.running)
+        for req in failed:
+            self.fail_request(req, RuntimeError(message), "running a batch", req.kv_len)
+        updated, self._finished = self._finished, []
+        return updated
 
     def _check_finished(self, req: Req, token: int) -> dict | None:
         params = req.sampling_params
@@ -231,6 +266,7 @@ class Scheduler:
         req.finished_reason = reason
         req.finished_time = time.perf_counter()
         req.decoder.flush(req.output_ids)
-        key = "aborted_requests" if reason["type"] == "abort" else "finished_requests"
-        self.stats[key] += 1
+        if "status_code" not in reason:  # failed ones are counted as failed_requests
+            key = "aborted_requests" if reason["type"] == "abort" else "finished_requests"
+            self.stats[key] += 1
         self._finished.append(req)

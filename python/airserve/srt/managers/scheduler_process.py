@@ -1,29 +1,16 @@
 """The scheduler in its own process: model, KV cache and batching, away from the HTTP loop.
 
 The HTTP process tokenizes and sends requests down a pipe; this process runs
-`scheduler.step()` whenever it has work and sends back, per step, one message with a delta
-for every request that progressed. Messages are plain tuples (picklable, cheap):
+`scheduler.step()` whenever it has work and sends back, per step, one BatchOutput with a
+ReqDelta for every request that progressed and a ReqError for every request that failed. The
+messages are the dataclasses of `io_struct.py`.
 
-HTTP -> scheduler:
-    ("generate", rid, input_ids, sampling_params_dict, stream)
-    ("abort", rid)
-    ("call", token, name)         name: "server_info" | "flush_cache"
-    ("shutdown",)
-scheduler -> HTTP:
-    ("ready", info)               once, after the model is loaded
-    ("init_error", message)       instead of "ready" when loading failed
-    ("outputs", deltas, stats)    deltas: [Delta, ...]; stats: dict or None
-    ("error", rid, message)       the request was rejected (bad input: HTTP 400)
-    ("reply", token, ok, payload)
-    ("fatal", message)            the loop crashed; the process exits after sending it
-
-A Delta is (rid, new_output_ids, text_offset, text, finished_reason): the client's text
-becomes `text[:text_offset] + text`, so it stays cumulative without resending it.
+A failure while processing one request fails that request only (the scheduler isolates it);
+an exception that escapes a step fails the requests it may have touched and the loop goes on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +18,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from airserve.srt.managers import io_struct as io
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -47,32 +35,32 @@ def run_scheduler_process(server_args: ServerArgs, recv_conn: Connection, send_c
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(server_args.log_level, "scheduler")
     try:
-        from airserve.srt.entrypoints.engine import Engine
+        from airserve.srt.managers.engine_core import EngineCore
 
-        kwargs = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
-        engine = Engine(**kwargs)
+        core = EngineCore(server_args)
     except Exception as e:  # noqa: BLE001 - any load failure is reported, then we exit
         logger.error("loading the model failed:\n%s", traceback.format_exc())
-        _send_quietly(send_conn, ("init_error", f"{type(e).__name__}: {e}"))
+        _send_quietly(send_conn, io.SchedulerInitError(f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
-    loop = SchedulerLoop(engine, recv_conn, send_conn, parent_pid)
-    send_conn.send(("ready", loop.model_info()))
+    loop = SchedulerLoop(core, recv_conn, send_conn, parent_pid)
+    send_conn.send(io.SchedulerReady(loop.model_info()))
     try:
         loop.run()
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the HTTP process went away; the scheduler exits")
     except Exception as e:  # noqa: BLE001
         logger.error("the scheduler loop crashed:\n%s", traceback.format_exc())
-        _send_quietly(send_conn, ("fatal", f"the scheduler crashed: {type(e).__name__}: {e}"))
+        _send_quietly(send_conn,
+                      io.SchedulerFatal(f"the scheduler crashed: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
 
 
 class SchedulerLoop:
-    def __init__(self, engine, recv_conn: Connection, send_conn: Connection,
+    def __init__(self, core, recv_conn: Connection, send_conn: Connection,
                  parent_pid: int) -> None:
-        self.engine = engine
-        self.scheduler = engine.scheduler
-        self.runner = engine.model_runner
+        self.core = core  # managers.engine_core.EngineCore
+        self.scheduler = core.scheduler
+        self.runner = core.model_runner
         self.recv_conn = recv_conn
         self.send_conn = send_conn
         self.parent_pid = parent_pid
@@ -86,11 +74,13 @@ class SchedulerLoop:
 
         runner = self.runner
         graph = runner.graph_runner
+        pool = self.core.kv_pool_info()
         return {
-            "model_path": resolve_model_path(self.engine.server_args.model_path),
+            "model_path": resolve_model_path(self.core.server_args.model_path),
             "context_length": runner.context_len,
             "vocab_size": runner.model_config.vocab_size,
-            "max_total_tokens": runner.allocator.total_usable_pages * runner.allocator.page_size,
+            "max_total_tokens": pool["tokens"],
+            "kv_pool": pool,
             "max_running_requests": runner.max_running_requests,
             "runner": type(graph).__name__ if graph is not None else "eager",
             "pid": os.getpid(),
@@ -105,11 +95,20 @@ class SchedulerLoop:
             if self._stopping:
                 break
             if self.scheduler.has_work():
-                self._send_outputs(self.scheduler.step())
+                self._send_outputs(self._step())
             elif self._stats_stale:  # idle now: the last snapshot may predate the last step
                 self._send_stats()
         for rid in list(self.reqs):
             self.scheduler.abort(rid)
+
+    def _step(self) -> list:
+        """scheduler.step(), which fails single requests itself; what escapes it fails every
+        request that is not waiting (the step may have touched them), and the loop goes on."""
+        try:
+            return self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not end the server
+            logger.error("a scheduler step failed:\n%s", traceback.format_exc())
+            return self.scheduler.fail_unattributed(f"{type(e).__name__}: {e}")
 
     def _receive(self, timeout: float) -> bool:
         """Handle every waiting message; False when the parent is gone."""
@@ -124,59 +123,70 @@ class SchedulerLoop:
             logger.info("the HTTP process went away; the scheduler exits")
             return False
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "generate":
-            self._add(*msg[1:])
-        elif kind == "abort":
-            self.scheduler.abort(msg[1])
-        elif kind == "call":
-            _, token, name = msg
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, io.GenerateReqInput):
+            self._add(msg)
+        elif isinstance(msg, io.AbortReq):
+            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, (io.ServerInfoReq, io.FlushCacheReq)):
+            call = self.call_server_info if isinstance(msg, io.ServerInfoReq) \
+                else self.call_flush_cache
             try:
-                payload = getattr(self, f"call_{name}")()
-                self.send_conn.send(("reply", token, True, payload))
+                reply = io.CallReply(msg.token, True, call())
             except Exception as e:  # noqa: BLE001 - a failed call answers, never kills us
-                self.send_conn.send(("reply", token, False, f"{type(e).__name__}: {e}"))
-        elif kind == "shutdown":
+                reply = io.CallReply(msg.token, False, f"{type(e).__name__}: {e}")
+            self.send_conn.send(reply)
+        elif isinstance(msg, io.ShutdownReq):
             self._stopping = True
         else:
-            logger.error("unknown message %r ignored", kind)
+            logger.error("unknown message %r ignored", type(msg).__name__)
 
-    def _add(self, rid: str, input_ids: list[int], params: dict, stream: bool) -> None:
-        from airserve.srt.entrypoints.engine import build_req
+    def _add(self, msg: io.GenerateReqInput) -> None:
+        from airserve.srt.managers.engine_core import build_req
         from airserve.srt.sampling.sampling_params import SamplingParams
 
         try:
-            req = build_req(self.engine.tokenizer, input_ids, SamplingParams.from_dict(params),
-                            rid=rid, stream=stream)
+            params = SamplingParams.from_dict(msg.sampling_params)
+            req = build_req(self.core.tokenizer, msg.input_ids, params, rid=msg.rid,
+                            stream=msg.stream)
             self.scheduler.add_request(req)
-        except ValueError as e:
-            self.send_conn.send(("error", rid, str(e)))
+        except (ValueError, TypeError, OverflowError) as e:  # the request's fault
+            self.send_conn.send(io.BatchOutput(errors=[io.ReqError(msg.rid, 400, str(e))]))
             return
-        self.reqs[rid] = req
+        except Exception as e:  # noqa: BLE001 - ours, but it must not take the server down
+            logger.error("request %s could not be added:\n%s", msg.rid, traceback.format_exc())
+            self.send_conn.send(io.BatchOutput(
+                errors=[io.ReqError(msg.rid, 500, f"{type(e).__name__}: {e}")]))
+            return
+        self.reqs[msg.rid] = req
 
     def _send_outputs(self, updated: list) -> None:
-        deltas = []
+        deltas, errors = [], []
         for req in updated:
             if self.reqs.get(req.rid) is not req:
+                continue
+            if req.finished:
+                del self.reqs[req.rid]
+            status = (req.finished_reason or {}).get("status_code")
+            if status is not None:  # failed while processing: an error, not an output
+                errors.append(io.ReqError(req.rid, status, req.finished_reason["message"]))
                 continue
             new_ids = req.output_ids[req.sent_token_len:]
             req.sent_token_len = len(req.output_ids)
             text = req.stream_text()
             offset = min(req.sent_text_len, len(text))
             req.sent_text_len = len(text)
-            deltas.append((req.rid, new_ids, offset, text[offset:], req.finished_reason))
-            if req.finished:
-                del self.reqs[req.rid]
+            deltas.append(io.ReqDelta(req.rid, new_ids, offset, text[offset:],
+                                      req.finished_reason))
         if time.monotonic() - self._last_stats >= STATS_INTERVAL_S:
-            self._send_stats(deltas)
+            self._send_stats(deltas, errors)
         else:
             self._stats_stale = True
-            if deltas:
-                self.send_conn.send(("outputs", deltas, None))
+            if deltas or errors:
+                self.send_conn.send(io.BatchOutput(deltas, errors, None))
 
-    def _send_stats(self, deltas: list | None = None) -> None:
-        self.send_conn.send(("outputs", deltas or [], self.stats()))
+    def _send_stats(self, deltas: list | None = None, errors: list | None = None) -> None:
+        self.send_conn.send(io.BatchOutput(deltas or [], errors or [], self.stats()))
         self._last_stats = time.monotonic()
         self._stats_stale = False
 
@@ -189,13 +199,14 @@ class SchedulerLoop:
             "num_waiting_reqs": len(self.scheduler.waiting),
             "kv_total_tokens": total,
             "kv_used_tokens": total - alloc.available_tokens(),
+            "kv_used_pages": alloc.total_usable_pages - alloc.available_pages(),
             "graph_replays": self.runner.graph_replays,
             "eager_fallbacks": dict(self.runner.fallback_counts),
             **self.scheduler.stats,
         }
 
     def call_server_info(self) -> dict:
-        info = self.engine.get_server_info()
+        info = self.core.get_server_info()
         info.update(self.model_info())
         info["stats"] = self.stats()
         return info
@@ -216,7 +227,7 @@ def configure_logging(level: str, who: str) -> None:
     )
 
 
-def _send_quietly(conn: Connection, msg: tuple) -> None:
+def _send_quietly(conn: Connection, msg: object) -> None:
     try:
         conn.send(msg)
     except OSError:

@@ -14,17 +14,25 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.scheduler_process import run_scheduler_process
 from airserve.srt.server_args import ServerArgs
 from airserve.srt.tokenizer import Tokenizer, get_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# The HTTP process exits with this code when its scheduler process dies (README: "Failures"),
+# after giving the in-flight requests' error answers this long to go out.
+SCHEDULER_DIED_EXIT_CODE = 1
+EXIT_GRACE_S = 1.0
 
 
 class RequestError(Exception):
@@ -130,9 +138,9 @@ class TokenizerManager:
             self._proc.join(1.0)
             raise RuntimeError(f"the scheduler process exited (code {self._proc.exitcode}) "
                                "while loading the model; see its log above") from None
-        if msg[0] != "ready":
-            raise RuntimeError(f"loading the model failed: {msg[1]}")
-        return msg[1]
+        if not isinstance(msg, io.SchedulerReady):
+            raise RuntimeError(f"loading the model failed: {getattr(msg, 'message', msg)}")
+        return msg.info
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every open one (their streams close)."""
@@ -147,7 +155,7 @@ class TokenizerManager:
         if proc is None:
             return
         if proc.is_alive() and self.info:
-            self._outbox.put(("shutdown",))
+            self._outbox.put(io.ShutdownReq())
             self._outbox.put(None)
             proc.join(timeout)
         elif proc.is_alive():  # still loading the model: nothing to finish politely
@@ -186,7 +194,14 @@ class TokenizerManager:
             raise RequestError(
                 400, f"the prompt ({len(input_ids)} tokens) plus max_new_tokens "
                 f"({max_new_tokens}) exceeds the context length of {context} tokens; shorten the "
-                "prompt or ask for fewer tokens")
+                "prompt or ask for fewer tokens (--context-length sets the limit, up to the "
+                "model's)")
+        pool = self.info["max_total_tokens"]  # the pool's real size, reported at start-up
+        if len(input_ids) + max_new_tokens > pool:
+            raise RequestError(
+                400, f"the prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                f"({max_new_tokens}) can never fit the KV pool of {pool} tokens; raise "
+                "--max-total-tokens (or --mem-fraction-static), or ask for fewer tokens")
 
     async def generate(self, input_ids: list[int], sampling_params: dict, stream: bool = False,
                        rid: str | None = None) -> AsyncIterator[ReqOutput]:
@@ -199,7 +214,7 @@ class TokenizerManager:
             raise RequestError(400, f"rid {rid!r} is already in use")
         state = _ReqState(rid, len(input_ids))
         self._states[rid] = state
-        self._outbox.put(("generate", rid, list(input_ids), sampling_params, stream))
+        self._outbox.put(io.GenerateReqInput(rid, list(input_ids), sampling_params, stream))
         try:
             while True:
                 await state.event.wait()
@@ -214,7 +229,7 @@ class TokenizerManager:
         finally:
             self._states.pop(rid, None)
             if state.finished_reason is None and state.error is None and not self.dead:
-                self._outbox.put(("abort", rid))
+                self._outbox.put(io.AbortReq(rid))
 
     async def call(self, name: str, timeout: float = 10.0) -> tuple[bool, object]:
         """Ask the scheduler process something (`name`: server_info, flush_cache)."""
@@ -222,7 +237,8 @@ class TokenizerManager:
         token = next(self._tokens)
         future = self._loop.create_future()
         self._calls[token] = future
-        self._outbox.put(("call", token, name))
+        kinds = {"server_info": io.ServerInfoReq, "flush_cache": io.FlushCacheReq}
+        self._outbox.put(kinds[name](token))
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -238,27 +254,29 @@ class TokenizerManager:
             raise RequestError(503, "the server is shutting down")
 
     # Messages from the scheduler process (on the event loop).
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            self._on_outputs(msg[1])
-            if msg[2] is not None:
-                self.stats = msg[2]
-        elif kind == "error":
-            state = self._states.get(msg[1])
-            if state is not None:
-                self._fail(state, RequestError(400, msg[2]))
-        elif kind == "reply":
-            future = self._calls.get(msg[1])
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, io.BatchOutput):
+            self._on_outputs(msg.deltas)
+            for error in msg.errors:
+                state = self._states.get(error.rid)
+                if state is not None:
+                    self._fail(state, RequestError(error.status, error.message))
+            if msg.stats is not None:
+                self.stats = msg.stats
+        elif isinstance(msg, io.CallReply):
+            future = self._calls.get(msg.token)
             if future is not None and not future.done():
-                future.set_result((msg[2], msg[3]))
-        elif kind == "fatal":
-            self._fatal = msg[1]
+                future.set_result((msg.ok, msg.payload))
+        elif isinstance(msg, io.SchedulerFatal):
+            self._fatal = msg.message
+        else:
+            logger.error("unknown message %r from the scheduler ignored", type(msg).__name__)
 
-    def _on_outputs(self, deltas: list) -> None:
+    def _on_outputs(self, deltas: list[io.ReqDelta]) -> None:
         now = time.perf_counter()
-        for rid, new_ids, offset, text, finished_reason in deltas:
-            state = self._states.get(rid)
+        for delta in deltas:
+            new_ids, finished_reason = delta.new_output_ids, delta.finished_reason
+            state = self._states.get(delta.rid)
             if state is None:  # aborted here already
                 continue
             if new_ids and self.metrics is not None:
@@ -270,7 +288,7 @@ class TokenizerManager:
             if new_ids:
                 state.last_token_time = now
             state.output_ids.extend(new_ids)
-            state.text = state.text[:offset] + text
+            state.text = state.text[:delta.text_offset] + delta.text
             if finished_reason is not None:
                 state.finished_reason = finished_reason
                 if self.metrics is not None:
@@ -283,14 +301,21 @@ class TokenizerManager:
         if self.shutting_down and self._fatal is None:
             self.dead = "the server is shutting down"
         else:
-            self.dead = (self._fatal or f"the scheduler process died (exit code {exitcode})") + \
-                "; restart the server"
-            logger.error("%s", self.dead)
+            self.dead = (self._fatal or f"the scheduler process died ({_exit_text(exitcode)})") \
+                + "; restart the server"
         for state in list(self._states.values()):
             self._fail(state, RequestError(500, self.dead))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(RequestError(503, self.dead))
+        if not self.shutting_down:
+            # No zombie: a server without its scheduler can serve nothing. Let the failed
+            # requests' answers go out, then exit non-zero so that a supervisor restarts it.
+            logger.error("%s: failed %d in-flight requests; the server exits with code %d in "
+                         "%.0fs", self.dead, len(self._states), SCHEDULER_DIED_EXIT_CODE,
+                         EXIT_GRACE_S)
+            self.shutting_down = True
+            self._loop.call_later(EXIT_GRACE_S, _exit_now, SCHEDULER_DIED_EXIT_CODE)
 
     @staticmethod
     def _fail(state: _ReqState, error: RequestError) -> None:
@@ -326,3 +351,21 @@ class TokenizerManager:
                 self._req_send.send(msg)
             except OSError:  # the scheduler is gone; the read loop reports it
                 return
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once: uvicorn's graceful shutdown would return exit code 0."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

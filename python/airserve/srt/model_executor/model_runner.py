@@ -22,7 +22,12 @@ from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING_REQUESTS = 128
+# Host cores gain nothing from decode batches beyond the CPU graph runner's largest bucket
+# (--torch-compile-max-bs, 32); accelerators batch wider.
+DEFAULT_MAX_RUNNING_REQUESTS = {"cpu": 32, "cuda": 128, "npu": 128}
+# Without --max-total-tokens the KV pool holds every running request at this many tokens
+# (prompt + output, a chat turn), and always one request at the full context length.
+DEFAULT_KV_TOKENS_PER_REQUEST = 512
 
 
 def create_attention_backend(name: str, allocator: PagedAllocator,
@@ -50,6 +55,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.random_seed)
         if model is None:
+            logger.info("loading the model from %s", args.model_path or "the default package")
             model_config, model = load_model(args.model_path, args.dtype, self.device,
                                              args.context_length,
                                              args.resolved_packed_decode_max_bs,
@@ -61,11 +67,16 @@ class ModelRunner:
         self.fallback_counts: Counter[str] = Counter()
         self.graph_replays = 0  # decode steps served by the graph runner
         self._init_memory()
+        if self.device == "cpu":
+            logger.info("loading airserve's C++ CPU kernels (built once, ~15 s, then cached by "
+                        "torch under ~/.cache/torch_extensions)")
         self.attn_backend = create_attention_backend(
             args.resolved_attention_backend, self.allocator, self.context_len)
         self.graph_runner = None
         from airserve.srt.model_executor.runner_selection import create_graph_runner
 
+        logger.info("preparing the decode graph runner (compiles and captures graphs when one "
+                    "is selected; minutes on first use)")
         self.graph_runner = create_graph_runner(self)
 
     # Memory.
@@ -74,20 +85,8 @@ class ModelRunner:
         page = args.resolved_page_size
         per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                   cfg.head_dim, self.dtype)
-        max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        if args.max_total_tokens is not None:
-            tokens = args.max_total_tokens
-        else:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            budget = args.resolved_mem_fraction_static * self._total_memory() - weights
-            tokens = int(budget // per_token)
-            # More than every running request at full context is never used.
-            tokens = min(tokens, max_running * self.context_len)
-            if tokens < page * 2:
-                raise RuntimeError(
-                    f"no memory left for the KV cache ({budget / 2**20:.0f} MiB after weights); "
-                    "raise --mem-fraction-static or set --max-total-tokens"
-                )
+        max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS[self.device]
+        tokens, self.kv_pool_sized_by = self._kv_pool_tokens(per_token, max_running, page)
         num_pages = -(-tokens // page) + 1  # + the reserved dummy page
         max_blocks = -(-self.context_len // page)
         self.max_running_requests = max_running
@@ -97,9 +96,33 @@ class ModelRunner:
                                      self.device)
         self.allocator = PagedAllocator(self.req_to_token_pool, num_pages, page)
         self.kv_cache = KVCache(self.kv_pool.k_buffers, self.kv_pool.v_buffers, page)
-        logger.info("KV cache: %d tokens in %d pages of %d (%.1f MiB), context %d, %d slots",
-                    (num_pages - 1) * page, num_pages - 1, page,
-                    self.kv_pool.memory_bytes() / 2**20, self.context_len, max_running)
+        logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB), sized by %s; context %d, "
+                    "%d running requests at most (--max-total-tokens, --max-running-requests "
+                    "change them)", (num_pages - 1) * page, num_pages - 1, page,
+                    self.kv_pool.memory_bytes() / 2**30, self.kv_pool_sized_by, self.context_len,
+                    max_running)
+
+    def _kv_pool_tokens(self, per_token: int, max_running: int, page: int) -> tuple[int, str]:
+        """Tokens for the KV pool and what decided them: the flag, else every running request
+        at DEFAULT_KV_TOKENS_PER_REQUEST (at least one full context), capped by memory."""
+        args = self.server_args
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens, "--max-total-tokens"
+        wanted = max(self.context_len,
+                     max_running * min(self.context_len, DEFAULT_KV_TOKENS_PER_REQUEST))
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = args.resolved_mem_fraction_static * self._total_memory() - weights
+        fits = int(budget // per_token)
+        if fits < page * 2:
+            raise RuntimeError(
+                f"no memory left for the KV cache ({budget / 2**20:.0f} MiB after weights); "
+                "raise --mem-fraction-static or set --max-total-tokens"
+            )
+        if fits < wanted:
+            return fits, "memory (--mem-fraction-static)"
+        return wanted, (f"{max_running} running requests x "
+                        f"{min(self.context_len, DEFAULT_KV_TOKENS_PER_REQUEST)} tokens, "
+                        "at least one full context")
 
     def _total_memory(self) -> int:
         if self.device == "cuda":

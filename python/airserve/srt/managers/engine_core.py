@@ -1,0 +1,74 @@
+"""What serves requests in one process: tokenizer, model runner and scheduler, built once.
+
+The scheduler process and the offline `Engine` both stand on this; neither builds the parts
+itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from airserve.srt.managers.req import Req
+from airserve.srt.managers.scheduler import Scheduler
+from airserve.srt.model_executor.model_runner import ModelRunner
+from airserve.srt.sampling.sampling_params import SamplingParams
+from airserve.srt.server_args import ServerArgs
+from airserve.srt.tokenizer import IncrementalDecoder, Tokenizer, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_req(tokenizer: Tokenizer, input_ids: list[int], params: SamplingParams,
+              rid: str | None = None, stream: bool = False) -> Req:
+    """A Req with its incremental decoder (and seeded generator, from the params)."""
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    return Req(rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params,
+               decoder=decoder, stream=stream)
+
+
+def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = set(model_runner.model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+    return tuple(sorted(ids))
+
+
+class EngineCore:
+    """`tokenizer`, `model_runner` and `scheduler` for one ServerArgs."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = args = server_args
+        start = time.perf_counter()
+        logger.info("loading the tokenizer")
+        self.tokenizer = get_tokenizer(args.tokenizer_path or args.model_path)
+        self.model_runner = ModelRunner(args)
+        self.scheduler = Scheduler(self.model_runner,
+                                   eos_token_ids(self.model_runner, self.tokenizer),
+                                   args.max_prefill_tokens)
+        logger.info("model loaded in %.1fs", time.perf_counter() - start)
+
+    def kv_pool_info(self) -> dict:
+        """The KV pool's real size, as allocated (tokens, pages, bytes)."""
+        runner = self.model_runner
+        alloc = runner.allocator
+        return {"tokens": alloc.total_usable_pages * alloc.page_size,
+                "pages": alloc.total_usable_pages, "page_size": alloc.page_size,
+                "gib": round(runner.kv_pool.memory_bytes() / 2**30, 3),
+                "sized_by": runner.kv_pool_sized_by}
+
+    def get_server_info(self) -> dict:
+        runner = self.model_runner
+        info = {
+            "server_args": {k: v for k, v in vars(self.server_args).items() if k != "extra"},
+            "device": runner.device,
+            "context_length": runner.context_len,
+            "max_total_tokens": runner.allocator.total_usable_pages * runner.allocator.page_size,
+            "available_kv_tokens": runner.allocator.available_tokens(),
+            "kv_pool": self.kv_pool_info(),
+            "eager_fallbacks": dict(runner.fallback_counts),
+            "scheduler": dict(self.scheduler.stats),
+            "decode_kernels": runner.kernels_report(),
+        }
+        if runner.graph_runner is not None:
+            info["graph_runner"] = runner.graph_runner.report()
+        return info
