@@ -53,6 +53,7 @@ class EngineCore:
         alloc = runner.allocator
         return {"tokens": alloc.total_usable_pages * alloc.page_size,
                 "pages": alloc.total_usable_pages, "page_size": alloc.page_size,
+                "bytes": runner.kv_pool.memory_bytes(),
                 "gib": round(runner.kv_pool.memory_bytes() / 2**30, 3),
                 "sized_by": runner.kv_pool_sized_by}
 
