@@ -55,7 +55,9 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.random_seed)
         if model is None:
-            logger.info("loading the model from %s", args.model_path or "the default package")
+            logger.info("loading the model from %s%s", args.model_path or "the default package",
+                        " (and airserve's C++ CPU kernels: built on first use, ~15 s, cached "
+                        "under ~/.cache/torch_extensions)" if self.device == "cpu" else "")
             model_config, model = load_model(args.model_path, args.dtype, self.device,
                                              args.context_length,
                                              args.resolved_packed_decode_max_bs,
@@ -67,9 +69,6 @@ class ModelRunner:
         self.fallback_counts: Counter[str] = Counter()
         self.graph_replays = 0  # decode steps served by the graph runner
         self._init_memory()
-        if self.device == "cpu":
-            logger.info("loading airserve's C++ CPU kernels (built once, ~15 s, then cached by "
-                        "torch under ~/.cache/torch_extensions)")
         self.attn_backend = create_attention_backend(
             args.resolved_attention_backend, self.allocator, self.context_len)
         self.graph_runner = None
