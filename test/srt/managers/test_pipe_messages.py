@@ -91,30 +91,34 @@ def test_typed_messages_both_ways(core):
         t.close()
 
 
-def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(core):
+@pytest.mark.parametrize("method,on_call", [("next_batch", 3), ("_build_extend", 1)])
+def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(core, method, on_call):
+    """Faults injected outside the per-request isolation: while building a decode step (the
+    request is running) and while building its prefill (it is between the queues)."""
     t = LoopThread(core)
     sched = t.loop.scheduler
-    original = sched.next_batch
+    original = getattr(sched, method)
     calls = {"n": 0}
 
-    def next_batch_fails_once():  # injected fault outside the per-request isolation
+    def fails_once(*args):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault in next_batch")
-        return original()
+        if calls["n"] == on_call:
+            raise RuntimeError(f"injected fault in {method}")
+        return original(*args)
 
-    sched.next_batch = next_batch_fails_once
+    setattr(sched, method, fails_once)
     try:
         t.send.send(io.GenerateReqInput("x", [5, 6], {"max_new_tokens": 50, "temperature": 0,
                                                       "ignore_eos": True}))
         error = [e for m in t.until(errored("x")) for e in m.errors if e.rid == "x"][0]
-        assert error.status == 500 and "injected fault in next_batch" in error.message
+        assert error.status == 500 and f"injected fault in {method}" in error.message
         t.send.send(io.GenerateReqInput("y", [5, 6], {"max_new_tokens": 3, "temperature": 0}))
         t.until(finished("y"))
-        alloc = core.model_runner.allocator
+        alloc, pool = core.model_runner.allocator, core.model_runner.req_to_token_pool
         assert alloc.available_pages() == alloc.total_usable_pages
+        assert pool.available_size() == pool.size
     finally:
-        sched.next_batch = original
+        delattr(sched, method)  # the class method again
         t.close()
 
 

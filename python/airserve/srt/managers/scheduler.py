@@ -228,12 +228,20 @@ class Scheduler:
                            "message": f"the request failed while {stage}: "
                                       f"{type(error).__name__}: {error}"})
 
-    def fail_unattributed(self, message: str) -> list[Req]:
+    def fail_unattributed(self, message: str, tracked: list[Req] = ()) -> list[Req]:
         """A step raised where no request could be blamed: fail every running request (the
-        step may have left them half-updated); the waiting ones stay queued."""
-        failed = list(self.running)
-        for req in failed:
+        step may have left them half-updated) and every `tracked` request that is neither
+        waiting nor finished (caught between queues); the waiting ones stay queued. KV pages
+        a half-built batch allocated beyond a request's cached length cannot be told apart
+        from stale slots, so they are not freed: logged, and seen as a leak in the stats."""
+        queued = set(map(id, self.waiting))
+        limbo = [r for r in tracked if id(r) not in queued and not r.finished
+                 and r not in self.running]
+        for req in list(self.running) + limbo:
             self.fail_request(req, RuntimeError(message), "running a batch", req.kv_len)
+        if limbo:
+            logger.warning("%d requests were between queues when the step failed; KV pages "
+                           "they may have been given are not freed", len(limbo))
         updated, self._finished = self._finished, []
         return updated
 

@@ -108,7 +108,8 @@ class SchedulerLoop:
             return self.scheduler.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not end the server
             logger.error("a scheduler step failed:\n%s", traceback.format_exc())
-            return self.scheduler.fail_unattributed(f"{type(e).__name__}: {e}")
+            return self.scheduler.fail_unattributed(f"{type(e).__name__}: {e}",
+                                                    list(self.reqs.values()))
 
     def _receive(self, timeout: float) -> bool:
         """Handle every waiting message; False when the parent is gone."""
