@@ -29,7 +29,13 @@ def test_server_info_reports_the_real_kv_pool(server, http):
     assert info["kv_pool"]["tokens"] == POOL and info["kv_pool"]["pages"] == POOL // 4
     assert info["kv_pool"]["sized_by"] == "--max-total-tokens"
     assert info["kv_pool"]["bytes"] > 0
-    assert f"KV pool: {POOL} tokens in {POOL // 4} pages of 4" in server.log()
+    log = server.log()
+    assert f"KV pool: {POOL} tokens in {POOL // 4} pages of 4" in log
+    # Every start-up stage says what it loads before it starts, so no long silent gap.
+    stages = ["loading the tokenizer", "loading the model from", "KV pool:",
+              "preparing the decode graph runner", "model loaded in", "airserve is ready"]
+    positions = [log.find(stage) for stage in stages]
+    assert all(p >= 0 for p in positions) and positions == sorted(positions), log
 
 
 @pytest.mark.parametrize("path,body", [
