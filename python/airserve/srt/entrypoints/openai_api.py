@@ -40,7 +40,12 @@ from airserve.srt.managers.validation import (
     refuse_not_implemented,
     validate_request,
 )
-from airserve.srt.sampling.sampling_params import INT32_MAX, INT64_MAX, SamplingParams
+from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    SamplingParams,
+    expect_int,
+)
 from airserve.srt.tokenizer import Tokenizer
 
 MAX_CHOICES = 64  # n above this is refused, not queued
@@ -73,7 +78,7 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0, le=INT64_MAX)
+    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -171,6 +176,8 @@ def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
 
 def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> SamplingParams:
     """SGLang-named sampling parameters, validated (FieldError names the field)."""
+    if req.seed is not None:
+        expect_int("seed", req.seed, 0, INT64_MAX)
     params = {
         "max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
