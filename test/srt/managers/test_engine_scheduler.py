@@ -131,6 +131,11 @@ def test_streaming_yields_cumulative_text_ending_in_the_full_output(engine):
     ({"prompt": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
     ({"prompt": ["a", "b"], "sampling_params": [{}]}, "1 entries for 2 prompts"),
     ({"input_ids": list(range(1, 200)) * 3}, "context length of 512"),
+    # The same rules as the HTTP front doors (managers/validation.py).
+    ({"prompt": "a", "sampling_params": {"seed": 2**64}}, r"seed: .*9223372036854775807\]"),
+    ({"prompt": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"prompt": "a", "sampling_params": {"json_schema": "{}"}}, "json_schema: not supported"),
+    ({"prompt": "a\ud800"}, "prompt: holds a lone UTF-16 surrogate"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_field(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
