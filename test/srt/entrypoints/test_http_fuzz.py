@@ -5,8 +5,9 @@ with random JSON: wrong types, extreme numbers, odd strings, nested values. What
 the server answers with a status below 500 and an error body naming the problem, and after
 every case `/health` answers and a short greedy request still gives its reference output.
 
-`AIRSERVE_FUZZ_EXAMPLES` sets the number of cases per endpoint (scripts/fuzz_http.py runs many
-more than the default).
+A second test sends every field, one at a time, every value of a short list of extremes.
+`AIRSERVE_FUZZ_EXAMPLES` sets the number of random cases per endpoint (scripts/fuzz_http.py runs
+many more than the default 40).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 # Set by scripts/fuzz_http.py, which also picks a random seed; the suite's own run is fixed.
-EXAMPLES = int(os.environ.get("AIRSERVE_FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("AIRSERVE_FUZZ_EXAMPLES", "40"))
 REPRODUCIBLE = "AIRSERVE_FUZZ_EXAMPLES" not in os.environ
 GREEDY = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4,
                                                              "temperature": 0}}
@@ -34,6 +35,11 @@ scalars = st.one_of(
     st.text(max_size=12), st.sampled_from(["", "\u0000", "\ud800", "\udfff", "é" * 5, "[]",
                                            "default", "text", "auto", "none", "1"]),
 )
+INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "seed", "n", "stream_interval",
+              "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs", "best_of",
+              "logprobs"}
+FLOAT_FIELDS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                "repetition_penalty"}
 json_values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
     max_leaves=8)
@@ -64,6 +70,17 @@ ENDPOINTS = {
 }
 
 
+def values_for(name: str) -> st.SearchStrategy:
+    """Mostly values of the field's own type (extremes included), sometimes any JSON."""
+    if name in INT_FIELDS:
+        typed = st.one_of(st.sampled_from(EXTREME_INTS), st.integers(0, 8))
+    elif name in FLOAT_FIELDS:
+        typed = st.one_of(st.sampled_from(EXTREME_FLOATS), st.floats(0, 2))
+    else:
+        return json_values
+    return st.one_of(typed, typed, json_values)
+
+
 @st.composite
 def mutated(draw, endpoint: str) -> dict:
     path, base, fields = ENDPOINTS[endpoint]
@@ -73,7 +90,7 @@ def mutated(draw, endpoint: str) -> dict:
             name = draw(st.sampled_from(SAMPLING))
             params = body.get("sampling_params")
             if isinstance(params, dict):
-                params[name] = draw(json_values)
+                params[name] = draw(values_for(name))
             continue
         name = draw(st.sampled_from(fields))
         if name in ("input_ids", "prompt") and draw(st.booleans()):
@@ -82,7 +99,7 @@ def mutated(draw, endpoint: str) -> dict:
             body[name] = [{"role": draw(st.sampled_from(["user", "system", "assistant", "x"])),
                            "content": draw(json_values)}]
         else:
-            body[name] = draw(json_values)
+            body[name] = draw(values_for(name))
     if endpoint == "generate" and "input_ids" in body and draw(st.booleans()):
         body.pop("text", None)
     return body
@@ -122,3 +139,36 @@ def test_fuzzed_requests_never_break_the_server(http, reference, endpoint):
         check_case(http, reference, path, body)
 
     run()
+
+
+# Every field, one at a time, with every extreme value (the rest of the request is valid).
+SWEEP_VALUES = [2**31, 2**64, True, 1e-40, 5e-324, 1e308, "\ud800", {"a": [1]}]
+
+
+def sweep_cases() -> list[tuple[str, str, dict]]:
+    cases = []
+    for endpoint, (_, base, fields) in ENDPOINTS.items():
+        targets = [(None, f) for f in fields]
+        if endpoint == "generate":
+            targets += [("sampling_params", f) for f in SAMPLING]
+        for parent, name in targets:
+            for value in SWEEP_VALUES:
+                body = json.loads(json.dumps(base))
+                (body[parent] if parent else body)[name] = value
+                cases.append((endpoint, f"{parent + '.' if parent else ''}{name}", body))
+    return cases
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_every_field_takes_every_extreme_value(http, reference, endpoint):
+    cases = [c for c in sweep_cases() if c[0] == endpoint]
+    path = ENDPOINTS[endpoint][0]
+    last_field = None
+    for _, field, body in cases:
+        if field != last_field and last_field is not None:  # after each field's values
+            check_case(http, reference, path, body)
+        else:
+            r = http.post(path, content=json.dumps(body), headers={"Content-Type":
+                                                                    "application/json"})
+            assert r.status_code < 500, (body, r.text)
+        last_field = field
