@@ -2,9 +2,9 @@
 
     python scripts/fuzz_http.py --examples 3000 [--seed 1234]
 
-Runs test/srt/entrypoints/test_http_fuzz.py (a live server on a tiny random model) with
-`--examples` cases per endpoint and a random (or given) hypothesis seed; the seed is printed so
-a failure can be replayed. Exits with pytest's status.
+Runs the random cases of test/srt/entrypoints/test_http_fuzz.py (a live server on a tiny random
+model) with `--examples` cases per endpoint and a random (or given) hypothesis seed; the seed
+is printed so a failure can be replayed. Exits with pytest's status.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def main() -> int:
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     print(f"fuzzing with {args.examples} cases per endpoint, --seed {seed}", flush=True)
-    cmd = [sys.executable, "-m", "pytest", TEST, "-q", "-x", f"--hypothesis-seed={seed}"]
-    if args.endpoint:
-        cmd += ["-k", args.endpoint]
+    selected = "fuzzed_requests" + (f" and {args.endpoint}" if args.endpoint else "")
+    cmd = [sys.executable, "-m", "pytest", TEST, "-q", "-x", f"--hypothesis-seed={seed}",
+           "-k", selected]
     env = {**os.environ, "AIRSERVE_FUZZ_EXAMPLES": str(args.examples)}
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
