@@ -70,6 +70,10 @@ class ServerArgs:
     log_level: str = "info"
     enable_metrics: bool = False
     skip_server_warmup: bool = False
+    # Request hardening (see README, "Security"): body size limit (413 beyond it) and the Host
+    # names requests may use (None: loopback names and --host; "*" allows any).
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    allowed_hosts: tuple[str, ...] | None = None
 
     # Extra, runner-independent knobs that tests set.
     extra: dict = field(default_factory=dict, compare=False)
@@ -120,6 +124,10 @@ class ServerArgs:
             object.__setattr__(self, "cuda_graph_bs", tuple(sorted(set(self.cuda_graph_bs))))
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port}: must be in 1..65535")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes={self.max_request_body_bytes}: must be >= 1")
+        if self.allowed_hosts is not None:
+            object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
 
     # Derived values.
     @property
@@ -253,3 +261,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    choices=("debug", "info", "warning", "error", "critical"))
     g.add_argument("--enable-metrics", action="store_true")
     g.add_argument("--skip-server-warmup", action="store_true")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies are refused with 413 (default 32 MiB)")
+    g.add_argument("--allowed-hosts", nargs="+", default=d.allowed_hosts,
+                   help="Host header names requests may use, besides localhost, 127.0.0.1, "
+                        "::1 and --host ('*': any); default any when --host is 0.0.0.0 or ::")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
 
+_SHORT_TEXT = 4096  # characters; longer texts are encoded without holding the GIL
+
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None,
@@ -27,7 +29,10 @@ class Tokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) <= _SHORT_TEXT:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:  # the batch call releases the GIL while it works; the plain one holds it
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]

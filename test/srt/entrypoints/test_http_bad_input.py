@@ -36,7 +36,8 @@ CASES = [
     ("seed wrong type", C, {"prompt": "x", "seed": "s"}, None, 400, "seed"),
     ("stream wrong type", C, {"prompt": "x", "stream": "yes"}, None, 400, "stream"),
     ("logprobs", C, {"prompt": "x", "logprobs": 3}, None, 400, "logprobs"),
-    ("token id out of vocab", C, {"prompt": [1, 10**9]}, None, 400, "input_ids"),
+    ("token id out of vocab", C, {"prompt": [1, 10**9]}, None, 400,
+     "prompt: must be a list of integers in [0, "),
     ("prompt longer than context", C, {"prompt": LONG_PROMPT, "max_tokens": 1}, None, 400,
      "context length"),
     ("chat prompt longer than context", CHAT,
@@ -69,6 +70,8 @@ CASES = [
 @pytest.mark.parametrize("name,path,body,headers,status,message", CASES,
                          ids=[c[0] for c in CASES])
 def test_bad_input(http, name, path, body, headers, status, message):
+    if isinstance(body, str):
+        headers = {"Content-Type": "application/json", **(headers or {})}
     kwargs = {"content": body} if isinstance(body, str) else {"json": body}
     r = http.post(path, headers=headers, **kwargs)
     assert r.status_code == status, r.text
@@ -84,7 +87,7 @@ def test_wrong_method(http):
 
 def test_still_serving_after_bad_input(http):
     for _ in range(3):
-        http.post(C, content="{oops")
+        http.post(C, content="{oops", headers={"Content-Type": "application/json"})
     r = http.post(GEN, json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200
     assert http.get("/health").status_code == 200

@@ -81,7 +81,8 @@ def test_health_is_fast_while_a_batch_decodes(server, http):
             assert r.status_code == 200
         done.set()
 
-    probe = httpx.Client(base_url=server.url, timeout=5)  # one connection, like a balancer
+    # One connection, like a balancer; the key is for /metrics.
+    probe = httpx.Client(base_url=server.url, headers=server.headers, timeout=5)
     assert probe.get("/health").status_code == 200
     thread = threading.Thread(target=batch)
     thread.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -128,7 +129,8 @@ def test_info_endpoints(http, server, tiny_llama_dir):
     info = http.get("/get_model_info").json()
     assert info["model_path"] == tiny_llama_dir == info["tokenizer_path"]
     models = http.get("/v1/models").json()
-    assert models["data"][0]["id"] == tiny_llama_dir
+    # The served name defaults to the model's directory name, never the local path.
+    assert models["data"][0]["id"] == os.path.basename(tiny_llama_dir) == info["served_model_name"]
     s = http.get("/get_server_info").json()
     assert s["server_args"]["max_total_tokens"] == 16384 and "api_key" not in s["server_args"]
     assert s["device"] == "cpu" and s["runner"] == "eager"
@@ -158,6 +160,7 @@ def test_metrics(http):
         assert name in text, name
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics"])
-def test_health_and_metrics_need_no_api_key(server, path):
-    assert httpx.get(server.url + path).status_code == 200
+@pytest.mark.parametrize("path,status", [("/health", 200), ("/metrics", 401)])
+def test_only_health_needs_no_api_key(server, path, status):
+    assert httpx.get(server.url + path).status_code == status
+    assert httpx.get(server.url + path, headers=server.headers).status_code == 200

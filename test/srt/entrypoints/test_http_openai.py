@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import openai
 import pytest
 
@@ -22,8 +24,10 @@ def native(http, prompt: str, **params) -> dict:
     return r.json()
 
 
-def test_models_lists_the_model_path(client, tiny_llama_dir):
-    assert [m.id for m in client.models.list().data] == [tiny_llama_dir]
+def test_models_lists_the_served_name(client, tiny_llama_dir):
+    assert [m.id for m in client.models.list().data] == [os.path.basename(tiny_llama_dir)]
+    r = client.completions.create(model=tiny_llama_dir, prompt="x", max_tokens=1)  # an alias
+    assert r.model == os.path.basename(tiny_llama_dir)
 
 
 def test_completion_equals_native_generate(client, model, http):

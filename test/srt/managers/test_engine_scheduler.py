@@ -125,12 +125,17 @@ def test_streaming_yields_cumulative_text_ending_in_the_full_output(engine):
 @pytest.mark.parametrize("kwargs,message", [
     ({}, "exactly one of prompt or input_ids"),
     ({"prompt": "a", "input_ids": [1]}, "exactly one"),
-    ({"prompt": 5}, "prompt must be a string"),
-    ({"input_ids": [1, -2]}, "input_ids must be integers"),
+    ({"prompt": 5}, "prompt: must be a string"),
+    ({"input_ids": [1, -2]}, "input_ids: must be a list of integers"),
     ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"prompt": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
     ({"prompt": ["a", "b"], "sampling_params": [{}]}, "1 entries for 2 prompts"),
-    ({"input_ids": list(range(1, 200)) * 3}, "context length is 512"),
+    ({"input_ids": list(range(1, 200)) * 3}, "context length of 512"),
+    # The same rules as the HTTP front doors (managers/validation.py).
+    ({"prompt": "a", "sampling_params": {"seed": 2**64}}, r"seed: .*9223372036854775807\]"),
+    ({"prompt": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"prompt": "a", "sampling_params": {"json_schema": "{}"}}, "json_schema: not supported"),
+    ({"prompt": "a\ud800"}, "prompt: holds a lone UTF-16 surrogate"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_field(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

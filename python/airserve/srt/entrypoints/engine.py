@@ -7,7 +7,13 @@ from collections.abc import Iterator, Sequence
 
 from airserve.srt.managers.engine_core import EngineCore, build_req
 from airserve.srt.managers.req import Req
-from airserve.srt.sampling.sampling_params import SamplingParams
+from airserve.srt.managers.validation import (
+    FieldError,
+    SamplingParams,
+    check_input_ids,
+    check_text,
+    validate_request,
+)
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ class Engine:
         self.tokenizer = self.core.tokenizer
         self.model_runner = self.core.model_runner
         self.scheduler = self.core.scheduler
+        self.limits = self.core.request_limits()
         self._closed = False
 
     def generate(self, prompt: str | Sequence[str] | None = None,
@@ -57,38 +64,39 @@ class Engine:
         return outs[0] if single else outs
 
     def _make_reqs(self, prompt, sampling_params, input_ids, stream) -> tuple[list[Req], bool]:
+        """Checked by the same rules as an HTTP request (`managers/validation.py`); a
+        ValueError names the bad argument."""
         if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+            raise FieldError("prompt", "give exactly one of prompt or input_ids")
+        limits = self.limits
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else prompt
-            if not isinstance(prompts, (list, tuple)) or not all(
-                    isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a string or a list of strings")
-            token_lists = [self.tokenizer.encode(p) for p in prompts]
+            if not isinstance(prompts, (list, tuple)):
+                raise FieldError("prompt", "must be a string or a list of strings")
+            token_lists = [self.tokenizer.encode(check_text(p, "prompt", limits))
+                           for p in prompts]
         else:
-            if not isinstance(input_ids, (list, tuple)) or not all(
-                    isinstance(x, (int, list, tuple)) for x in input_ids):
-                raise ValueError("input_ids must be a list of ids or a list of such lists")
-            single = len(input_ids) > 0 and isinstance(input_ids[0], int)
-            token_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-            vocab = self.model_runner.model_config.vocab_size
-            for ids in token_lists:
-                if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                    raise ValueError(f"input_ids must be integers in [0, {vocab})")
+            single = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 \
+                and not isinstance(input_ids[0], (list, tuple))
+            batch = [input_ids] if single else input_ids
+            if not isinstance(batch, (list, tuple)):
+                raise FieldError("input_ids", "must be a list of ids or a list of such lists")
+            token_lists = [check_input_ids(ids, limits) for ids in batch]
         if not token_lists:
-            raise ValueError("prompt/input_ids is an empty list")
+            raise FieldError("prompt", "is an empty list")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(token_lists):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                                 f"{len(token_lists)} prompts")
+                raise FieldError("sampling_params", f"has {len(sampling_params)} entries for "
+                                                    f"{len(token_lists)} prompts")
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
-            params = [SamplingParams.from_dict(sampling_params) for _ in token_lists]
+            params = [SamplingParams.from_dict(sampling_params)] * len(token_lists)
+        for ids, p in zip(token_lists, params):
+            validate_request(ids, p, limits)
+            self.scheduler.check_request(ids, p.max_new_tokens)
         reqs = [build_req(self.tokenizer, ids, p, stream=stream)
                 for ids, p in zip(token_lists, params)]
-        for req in reqs:
-            self.scheduler.check_request(req.input_ids, req.sampling_params.max_new_tokens)
         return reqs, single
 
     def _run_until_done(self, reqs: list[Req]) -> None:

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import threading
 import time
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,9 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from airserve import __version__
 from airserve.devices import discover
 from airserve.srt.entrypoints import native_api
+from airserve.srt.entrypoints.http_guard import RequestGuard, allowed_hosts
 from airserve.srt.entrypoints.http_utils import ClientDisconnected, error_response
 from airserve.srt.entrypoints.openai_api import OpenAIServing
 from airserve.srt.managers.tokenizer_manager import RequestError, TokenizerManager
+from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -39,10 +42,11 @@ WARMUP_TIMEOUT_S = 600.0  # the first decode may compile graphs
 
 
 def model_names(args: ServerArgs, resolved_path: str) -> tuple[str, ...]:
-    """Names a request's `model` may use; the first is the one the server reports. "default"
-    always works (SGLang's protocol default), so clients need not know the path."""
-    names = [args.served_model_name or args.model_path or resolved_path, args.model_path,
-             resolved_path, "default"]
+    """Names a request's `model` may use; the first is the one every response reports:
+    --served-model-name, else the model's file or directory name (never a local path).
+    "default" always works (SGLang's protocol default), so clients need not know the name."""
+    served = args.served_model_name or os.path.basename(os.path.normpath(resolved_path))
+    names = [served, args.model_path, resolved_path, "default"]
     return tuple(dict.fromkeys(n for n in names if n))
 
 
@@ -53,21 +57,23 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
     app = FastAPI(title="airserve", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     names = model_names(args, manager.info["model_path"])
-    openai = OpenAIServing(manager, names)
-
-    def check_api_key(request: Request) -> None:
-        if args.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {args.api_key}":
-            raise RequestError(401, "invalid or missing API key: send the header "
-                                    "'Authorization: Bearer <the server's --api-key>'")
-
-    auth = [Depends(check_api_key)]
+    limits = RequestLimits.for_model(manager.tokenizer, manager.info["vocab_size"],
+                                     manager.info["context_length"],
+                                     manager.info["max_total_tokens"])
+    openai = OpenAIServing(manager, names, limits)
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
+    if hosts is None and args.api_key is None:
+        logger.warning("requests may use any Host name and need no API key; set --api-key "
+                       "(and --allowed-hosts) when this port is reachable from other machines")
+    app.add_middleware(RequestGuard, hosts=hosts, api_key=args.api_key,
+                       max_body_bytes=args.max_request_body_bytes)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError):
-        return error_response(e.status, e.message)
+        response = error_response(e.status, e.message)
+        if e.status == 413:  # the rest of the body is not worth reading
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(ClientDisconnected)
     async def _disconnected(_: Request, e: ClientDisconnected):
@@ -106,21 +112,21 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{
             "id": names[0], "object": "model", "created": int(time.time()),
-            "owned_by": "airserve", "root": manager.info["model_path"],
+            "owned_by": "airserve", "root": names[0],
             "max_model_len": manager.info["context_length"]}]}
 
-    @app.get("/get_model_info", dependencies=auth)
+    @app.get("/get_model_info")
     async def get_model_info():
         path = manager.info["model_path"]
         return {"model_path": path, "tokenizer_path": args.tokenizer_path or path,
                 "served_model_name": names[0], "is_generation": True,
                 "context_length": manager.info["context_length"]}
 
-    @app.get("/get_server_info", dependencies=auth)
+    @app.get("/get_server_info")
     async def get_server_info():
         ok, info = await manager.call("server_info")
         if not ok:
@@ -131,22 +137,22 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
         # Runner reports may hold non-JSON values (dtypes, devices): show them as text.
         return JSONResponse(json.loads(json.dumps(info, default=str)))
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         ok, message = await manager.call("flush_cache")
         if not ok:
             raise RequestError(400, f"cache not flushed: {message}")
         return PlainTextResponse(message)
 
-    @app.post("/generate", dependencies=auth)
+    @app.post("/generate")
     async def generate(request: Request):
-        return await native_api.generate(request, manager)
+        return await native_api.generate(request, manager, limits)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(request: Request):
         return await openai.completions(request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await openai.chat(request)
 

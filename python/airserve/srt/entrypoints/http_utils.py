@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -13,14 +14,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError
+from airserve.srt.managers.validation import MAX_JSON_DEPTH, FieldError, check_json_value
 
 T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 500: "internal_server_error",
-                503: "service_unavailable"}
+                413: "invalid_request_error", 415: "invalid_request_error",
+                500: "internal_server_error", 503: "service_unavailable"}
 
 
 def error_body(status: int, message: str) -> dict:
@@ -37,19 +39,41 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def read_json_object(request: Request) -> dict:
-    """The request body as a JSON object, or RequestError(400) saying what is wrong with it."""
-    raw = await request.body()
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or FieldError/RequestError(400) saying what is wrong with it.
+    Refused: NaN and Infinity, integers of thousands of digits, nesting deeper than
+    MAX_JSON_DEPTH, lone UTF-16 surrogates. CPU-bound: call it through `off_loop`."""
     if not raw.strip():
         raise RequestError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise RequestError(400, f"the request body is nested too deeply (more than "
+                                f"{MAX_JSON_DEPTH} levels are refused)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int too long to convert
         raise RequestError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body must be a JSON object, not "
                                 f"{type(body).__name__}")
+    check_json_value(body)
     return body
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a finite number; JSON numbers must be finite")
+
+
+# Parsing, validation and tokenization run here, not on the event loop: /health and streams
+# keep answering while a large body is parsed.
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="airserve-parse")
+
+
+async def off_loop(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread; a FieldError (a request field is wrong) becomes a 400."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_WORKERS, fn, *args)
+    except FieldError as e:
+        raise RequestError(400, str(e)) from None
 
 
 def raise_if_aborted(out: ReqOutput) -> None:

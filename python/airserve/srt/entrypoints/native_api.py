@@ -1,13 +1,15 @@
 """SGLang's native `/generate`: request parsing and response shapes.
 
-Accepts what SGLang's clients send (DESIGN.md, "What SGLang's own clients expect"): `text` or
-`input_ids`, one or a list, `sampling_params` (one dict or one per prompt), `stream`, `rid`;
-unknown or null top-level fields are ignored. Streaming sends `data: <json>` events whose
+Accepts what SGLang's clients send: `text` or `input_ids`, one or a list, `sampling_params` (one
+dict or one per prompt), `stream`, `rid`; SGLang fields airserve does not implement are refused
+when set (`NATIVE_NOT_IMPLEMENTED`); other unknown or null top-level fields (client bookkeeping
+such as `priority` or `log_metrics`) are ignored. Streaming sends `data: <json>` events whose
 `text` and `meta_info.completion_tokens` are cumulative, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -17,83 +19,93 @@ from fastapi.responses import JSONResponse
 
 from airserve.srt.entrypoints.http_utils import (
     final_outputs,
-    read_json_object,
+    off_loop,
+    parse_json_object,
     sse,
     stream_response,
 )
-from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
-from airserve.srt.sampling.sampling_params import SamplingParams
-
-# Top-level fields that change the answer and that airserve cannot honour when set.
-UNSUPPORTED_WHEN_SET = ("return_logprob", "return_hidden_states", "input_embeds", "image_data",
-                        "lora_path", "session_params")
+from airserve.srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
+from airserve.srt.managers.validation import (
+    NATIVE_NOT_IMPLEMENTED,
+    FieldError,
+    RequestLimits,
+    check_input_ids,
+    check_text,
+    refuse_not_implemented,
+    validate_request,
+)
+from airserve.srt.sampling.sampling_params import SamplingParams, expect_bool, show
+from airserve.srt.tokenizer import Tokenizer
 
 
 @dataclass
 class GenerateRequest:
     prompts: list[list[int]]
-    params: list[dict]
+    params: list[dict]  # SamplingParams as dicts, validated, every field present
     stream: bool
     rids: list[str | None]
     single: bool
 
 
-def parse_generate(body: dict, manager: TokenizerManager) -> GenerateRequest:
+def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> GenerateRequest:
+    """Parse, validate and tokenize a /generate body (CPU-bound: runs off the event loop).
+    Raises FieldError or RequestError(400) naming what is wrong."""
+    body = parse_json_object(raw)
+    # SGLang clients send lora_path: null and return_logprob: false; only set values are refused.
+    refuse_not_implemented(body, NATIVE_NOT_IMPLEMENTED)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
-        raise RequestError(400, "give exactly one of text or input_ids")
-    bad = [name for name in UNSUPPORTED_WHEN_SET if body.get(name) not in (None, False, [], "")]
-    # SGLang clients send lora_path: null and return_logprob: false; only set values are refused.
-    if bad:
-        raise RequestError(400, f"{', '.join(bad)}: not supported by airserve; leave it unset")
+        raise FieldError("text", "give exactly one of text or input_ids")
     if text is not None:
         single = isinstance(text, str)
         texts = [text] if single else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError(400, "text: must be a string or a non-empty list of strings")
-        prompts = [manager.tokenizer.encode(t) for t in texts]
+        if not isinstance(texts, list) or not texts:
+            raise FieldError("text", f"must be a string or a non-empty list of strings, got "
+                                     f"{show(text)}")
+        names = ["text"] if single else [f"text.{i}" for i in range(len(texts))]
+        checked = [check_text(t, name, limits) for t, name in zip(texts, names)]
+        prompts = [tokenizer.encode(t) for t in checked]
     else:
         single = isinstance(ids, list) and bool(ids) and not isinstance(ids[0], list)
-        prompts = [ids] if single else ids
-        if not isinstance(prompts, list) or not prompts or not all(
-                isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
-            raise RequestError(400, "input_ids: must be a non-empty list of token ids or a "
-                                    "list of such lists")
+        batch = [ids] if single else ids
+        if not isinstance(batch, list) or not batch:
+            raise FieldError("input_ids", "must be a non-empty list of token ids or a list of "
+                                          f"such lists, got {show(ids)}")
+        names = ["input_ids"] if single else [f"input_ids.{i}" for i in range(len(batch))]
+        prompts = [check_input_ids(p, limits, name) for p, name in zip(batch, names)]
     params = _sampling_params(body.get("sampling_params"), len(prompts))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, f"stream: must be true or false, got {stream!r}")
+    stream = body.get("stream")
+    stream = False if stream is None else expect_bool("stream", stream)
     rids = _rids(body.get("rid"), len(prompts))
     for p, sp in zip(prompts, params):
-        manager.check_request(p, sp.get("max_new_tokens", SamplingParams.max_new_tokens))
-    return GenerateRequest(prompts, params, stream, rids, single)
+        validate_request(p, sp, limits)
+    return GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,
+                           single)
 
 
 def _rids(raw, n: int) -> list[str | None]:
     if raw is None:
         return [None] * n
-    if isinstance(raw, str) and n == 1:
+    if isinstance(raw, str) and n == 1 and raw:
         return [raw]
-    if isinstance(raw, list) and len(raw) == n and all(isinstance(r, str) for r in raw):
+    if isinstance(raw, list) and len(raw) == n and all(isinstance(r, str) and r for r in raw) \
+            and len(set(raw)) == n:
         return raw
-    raise RequestError(400, "rid: must be a string (one prompt) or a list of one per prompt")
+    raise FieldError("rid", "must be a non-empty string (one prompt) or a list of distinct "
+                            f"ones, one per prompt; got {show(raw)}")
 
 
-def _sampling_params(raw, n: int) -> list[dict]:
-    if raw is None:
-        raw = {}
-    if isinstance(raw, dict):
-        raw = [raw] * n
-    if not isinstance(raw, list) or not all(isinstance(p, dict) for p in raw):
-        raise RequestError(400, "sampling_params: must be an object or a list of objects")
+def _sampling_params(raw, n: int) -> list[SamplingParams]:
+    if raw is None or isinstance(raw, dict):
+        params = SamplingParams.from_dict(raw, prefix="sampling_params.")
+        return [params] * n
+    if not isinstance(raw, list):
+        raise FieldError("sampling_params", f"must be an object or a list of objects, got "
+                                            f"{show(raw)}")
     if len(raw) != n:
-        raise RequestError(400, f"sampling_params has {len(raw)} entries for {n} prompts")
-    for p in raw:
-        try:
-            SamplingParams.from_dict(p)
-        except (ValueError, TypeError) as e:
-            raise RequestError(400, f"sampling_params: {e}") from None
-    return [{k: v for k, v in p.items() if v is not None} for p in raw]
+        raise FieldError("sampling_params", f"has {len(raw)} entries for {n} prompts")
+    return [SamplingParams.from_dict(p, prefix=f"sampling_params.{i}.")
+            for i, p in enumerate(raw)]
 
 
 def output_dict(out: ReqOutput, index: int | None = None) -> dict:
@@ -111,8 +123,8 @@ def output_dict(out: ReqOutput, index: int | None = None) -> dict:
     return d
 
 
-async def generate(request: Request, manager: TokenizerManager):
-    req = parse_generate(await read_json_object(request), manager)
+async def generate(request: Request, manager: TokenizerManager, limits: RequestLimits):
+    req = await off_loop(parse_generate, await request.body(), manager.tokenizer, limits)
     streams = [manager.generate(ids, p, stream=req.stream, rid=rid)
                for ids, p, rid in zip(req.prompts, req.params, req.rids)]
     if req.stream:

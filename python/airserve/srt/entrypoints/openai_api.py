@@ -1,16 +1,21 @@
 """OpenAI-compatible `/v1/completions` and `/v1/chat/completions`: protocol and adapters.
 
-Requests are validated with pydantic (strict types; unknown fields ignored, as SGLang does),
-turned into one airserve request per (prompt, choice), and the outputs are shaped into
+Requests are validated with pydantic (strict types, finite numbers) and the shared request
+check (`managers/validation.py`); fields airserve does not implement are refused when set
+(`OPENAI_NOT_IMPLEMENTED`), other unknown fields (client bookkeeping such as `user`) are ignored,
+as SGLang does. Parsing, validation and tokenization run off the event loop. A request becomes
+one airserve request per (prompt, choice), and the outputs are shaped into
 OpenAI's responses or SSE chunks. Every streamed chunk carries a non-empty `choices[0]`
 (SGLang's and vLLM's benchmark clients index it unconditionally), the usage chunk included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import Request
@@ -19,12 +24,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from airserve.srt.entrypoints.http_utils import (
     final_outputs,
-    read_json_object,
+    off_loop,
+    parse_json_object,
     sse,
     stream_response,
 )
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
-from airserve.srt.sampling.sampling_params import SamplingParams
+from airserve.srt.managers.validation import (
+    OPENAI_NOT_IMPLEMENTED,
+    FieldError,
+    RequestLimits,
+    check_fits,
+    check_input_ids,
+    check_text,
+    refuse_not_implemented,
+    validate_request,
+)
+from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    SamplingParams,
+    expect_int,
+)
+from airserve.srt.tokenizer import Tokenizer
 
 MAX_CHOICES = 64  # n above this is refused, not queued
 
@@ -37,7 +59,7 @@ _EXPECTED = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -60,22 +82,17 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
-    logit_bias: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
-    best_of: int | None = Field(None, ge=1)  # accepted (SGLang's client sends 1); not used
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
@@ -89,34 +106,14 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    tools: list | None = None
-    response_format: dict | None = None
 
 
 def parse_request(model: type[_Strict], body: dict) -> _Strict:
+    refuse_not_implemented(body, OPENAI_NOT_IMPLEMENTED)
     try:
-        req = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         raise RequestError(400, format_validation_error(e, body)) from None
-    unsupported = []
-    if getattr(req, "logprobs", None) not in (None, False):
-        unsupported.append("logprobs")
-    if getattr(req, "echo", False):
-        unsupported.append("echo")
-    if getattr(req, "suffix", None) is not None:
-        unsupported.append("suffix")
-    if getattr(req, "tools", None):
-        unsupported.append("tools")
-    if req.logit_bias:
-        unsupported.append("logit_bias")
-    fmt = getattr(req, "response_format", None)
-    if fmt and fmt.get("type", "text") != "text":
-        unsupported.append("response_format")
-    if unsupported:
-        raise RequestError(400, f"{', '.join(unsupported)}: not supported by airserve; "
-                                "leave it out of the request")
-    return req
 
 
 def format_validation_error(error: ValidationError, body: dict) -> str:
@@ -139,9 +136,48 @@ def format_validation_error(error: ValidationError, body: dict) -> str:
     return "; ".join(lines)
 
 
-# Requests -> airserve requests.
-def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> dict:
-    """SGLang-named sampling parameters, validated (ValueError -> 400 names the field)."""
+# Requests -> airserve requests (CPU-bound: these run off the event loop).
+@dataclass
+class Prepared:
+    """A validated, tokenized request: one airserve request per (prompt, choice)."""
+
+    req: _SamplingFields
+    prompts: list[list[int]]
+    params: list[list[dict]]  # [prompt][choice], SamplingParams as dicts
+
+
+def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
+    req = parse_request(CompletionRequest, parse_json_object(raw))
+    prompts = completion_prompts(req, tokenizer, limits)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+    return _prepared(req, prompts, max_tokens, limits)
+
+
+def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
+    req = parse_request(ChatCompletionRequest, parse_json_object(raw))
+    prompt = chat_prompt(req, tokenizer, limits)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    if max_tokens is None:  # OpenAI's default for chat: up to the context length
+        max_tokens = max(limits.context_length - len(prompt), 0)
+    return _prepared(req, [prompt], max_tokens, limits)
+
+
+def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
+              limits: RequestLimits) -> Prepared:
+    params = []
+    for ids in prompts:
+        check_fits(len(ids), max_tokens, limits)
+        choices = [validate_request(ids, sampling_params(req, max_tokens, c), limits)
+                   for c in range(req.n)]
+        params.append([dataclasses.asdict(p) for p in choices])
+    return Prepared(req, prompts, params)
+
+
+def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> SamplingParams:
+    """SGLang-named sampling parameters, validated (FieldError names the field)."""
+    if req.seed is not None:
+        expect_int("seed", req.seed, 0, INT64_MAX)
     params = {
         "max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -150,45 +186,45 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> d
         "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         # n choices with one seed would all be equal; offset it per choice.
-        "seed": None if req.seed is None else req.seed + choice,
+        "seed": None if req.seed is None else (req.seed + choice) % (INT64_MAX + 1),
     }
-    params = {k: v for k, v in params.items() if v is not None}
-    try:
-        SamplingParams.from_dict(params)
-    except (ValueError, TypeError) as e:
-        raise RequestError(400, str(e)) from None
-    return params
+    return SamplingParams.from_dict(params)
 
 
-def completion_prompts(req: CompletionRequest, manager: TokenizerManager) -> list[list[int]]:
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       limits: RequestLimits) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [manager.tokenizer.encode(prompt)]
+        return [tokenizer.encode(check_text(prompt, "prompt", limits))]
     if not prompt:
-        raise RequestError(400, "prompt: must not be an empty list")
+        raise FieldError("prompt", "must not be an empty list")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
+        return [check_input_ids(prompt, limits, "prompt")]
     if isinstance(prompt[0], str):
-        return [manager.tokenizer.encode(p) for p in prompt]
-    return [list(p) for p in prompt]
+        return [tokenizer.encode(check_text(p, f"prompt.{i}", limits))
+                for i, p in enumerate(prompt)]
+    return [check_input_ids(p, limits, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
-def chat_prompt(req: ChatCompletionRequest, manager: TokenizerManager) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
+                limits: RequestLimits) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
             bad = [p.type for p in content if p.type != "text"]
             if bad:
-                raise RequestError(400, f"messages.{i}.content: only text parts are supported, "
-                                        f"got {', '.join(bad)}")
+                raise FieldError(f"messages.{i}.content", f"only text parts are supported, "
+                                                          f"got {', '.join(bad)}")
             content = "".join(p.text or "" for p in content)
         messages.append({"role": m.role, "content": content or ""})
+    # The template only adds text: contents that cannot fit are refused before rendering.
+    check_text("".join(m["content"] for m in messages), "messages", limits)
     try:
-        text = manager.tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages)
     except ValueError as e:
         raise RequestError(400, str(e)) from None
-    return manager.tokenizer.encode(text)
+    return tokenizer.encode(check_text(text, "messages", limits))
 
 
 def resolve_model(req: _SamplingFields, names: tuple[str, ...]) -> str:
@@ -214,34 +250,27 @@ def usage(outputs: list[ReqOutput], n: int) -> dict:
 class OpenAIServing:
     """The two endpoints; `model_names[0]` is the name responses report."""
 
-    def __init__(self, manager: TokenizerManager, model_names: tuple[str, ...]) -> None:
+    def __init__(self, manager: TokenizerManager, model_names: tuple[str, ...],
+                 limits: RequestLimits) -> None:
         self.manager = manager
         self.model_names = model_names
+        self.limits = limits
 
     async def completions(self, request: Request):
-        req = parse_request(CompletionRequest, await read_json_object(request))
-        model = resolve_model(req, self.model_names)
-        prompts = completion_prompts(req, self.manager)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await self._serve(request, req, model, prompts, max_tokens, chat=False)
+        prepared = await off_loop(prepare_completion, await request.body(),
+                                  self.manager.tokenizer, self.limits)
+        return await self._serve(request, prepared, chat=False)
 
     async def chat(self, request: Request):
-        req = parse_request(ChatCompletionRequest, await read_json_object(request))
-        model = resolve_model(req, self.model_names)
-        prompt = chat_prompt(req, self.manager)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        if max_tokens is None:  # OpenAI's default for chat: up to the context length
-            max_tokens = max(self.manager.info["context_length"] - len(prompt), 0)
-        return await self._serve(request, req, model, [prompt], max_tokens, chat=True)
+        prepared = await off_loop(prepare_chat, await request.body(), self.manager.tokenizer,
+                                  self.limits)
+        return await self._serve(request, prepared, chat=True)
 
-    async def _serve(self, request: Request, req: _SamplingFields, model: str,
-                     prompts: list[list[int]], max_tokens: int, chat: bool):
-        for ids in prompts:
-            self.manager.check_request(ids, max_tokens)
-        jobs = [(ids, sampling_params(req, max_tokens, c)) for ids in prompts
-                for c in range(req.n)]
-        streams = [self.manager.generate(ids, p, stream=req.stream) for ids, p in jobs]
+    async def _serve(self, request: Request, prepared: Prepared, chat: bool):
+        req = prepared.req
+        model = resolve_model(req, self.model_names)
+        streams = [self.manager.generate(ids, p, stream=req.stream)
+                   for ids, choices in zip(prepared.prompts, prepared.params) for p in choices]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if not req.stream:
@@ -249,7 +278,7 @@ class OpenAIServing:
             return JSONResponse(_response(rid, created, model, outputs, req.n, chat))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(request, streams, lambda outputs: _stream_chunks(
-            rid, created, model, outputs, len(jobs), req.n, chat, include_usage))
+            rid, created, model, outputs, len(streams), req.n, chat, include_usage))
 
 
 def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,

@@ -12,6 +12,7 @@ import uuid
 
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.scheduler import Scheduler
+from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.server_args import ServerArgs
@@ -46,6 +47,12 @@ class EngineCore:
                                    eos_token_ids(self.model_runner, self.tokenizer),
                                    args.max_prefill_tokens)
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
+
+    def request_limits(self) -> RequestLimits:
+        """What every request is checked against: vocabulary, context, the pool's real size."""
+        return RequestLimits.for_model(self.tokenizer, self.model_runner.model_config.vocab_size,
+                                       self.model_runner.context_len,
+                                       self.kv_pool_info()["tokens"])
 
     def kv_pool_info(self) -> dict:
         """The KV pool's real size, as allocated (tokens, pages, bytes)."""

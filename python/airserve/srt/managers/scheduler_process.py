@@ -19,6 +19,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from airserve.srt.managers import io_struct as io
+from airserve.srt.managers.validation import validate_request
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class SchedulerLoop:
         self.core = core  # managers.engine_core.EngineCore
         self.scheduler = core.scheduler
         self.runner = core.model_runner
+        self.limits = core.request_limits()
         self.recv_conn = recv_conn
         self.send_conn = send_conn
         self.parent_pid = parent_pid
@@ -144,10 +146,9 @@ class SchedulerLoop:
 
     def _add(self, msg: io.GenerateReqInput) -> None:
         from airserve.srt.managers.engine_core import build_req
-        from airserve.srt.sampling.sampling_params import SamplingParams
 
         try:
-            params = SamplingParams.from_dict(msg.sampling_params)
+            params = validate_request(msg.input_ids, msg.sampling_params, self.limits)
             req = build_req(self.core.tokenizer, msg.input_ids, params, rid=msg.rid,
                             stream=msg.stream)
             self.scheduler.add_request(req)

@@ -184,25 +184,6 @@ class TokenizerManager:
         return None
 
     # Requests.
-    def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
-        """Reject what can never run, before it reaches the scheduler (HTTP 400)."""
-        vocab = self.info["vocab_size"]
-        if not all(type(t) is int and 0 <= t < vocab for t in input_ids):
-            raise RequestError(400, f"input_ids must be integers in [0, {vocab})")
-        context = self.info["context_length"]
-        if len(input_ids) + max_new_tokens > context:
-            raise RequestError(
-                400, f"the prompt ({len(input_ids)} tokens) plus max_new_tokens "
-                f"({max_new_tokens}) exceeds the context length of {context} tokens; shorten the "
-                "prompt or ask for fewer tokens (--context-length sets the limit, up to the "
-                "model's)")
-        pool = self.info["max_total_tokens"]  # the pool's real size, reported at start-up
-        if len(input_ids) + max_new_tokens > pool:
-            raise RequestError(
-                400, f"the prompt ({len(input_ids)} tokens) plus max_new_tokens "
-                f"({max_new_tokens}) can never fit the KV pool of {pool} tokens; raise "
-                "--max-total-tokens (or --mem-fraction-static), or ask for fewer tokens")
-
     async def generate(self, input_ids: list[int], sampling_params: dict, stream: bool = False,
                        rid: str | None = None) -> AsyncIterator[ReqOutput]:
         """Yields the request's cumulative output after each step that changed it; the last one

@@ -1,16 +1,132 @@
-"""Per-request sampling parameters (SGLang's names), validated once at the door."""
+"""Per-request sampling parameters (SGLang's names) and the rule each field must meet.
+
+`SamplingParams.from_dict` is the only way a request's parameters are built: every field is
+checked by type and range (a bool is not a number, numbers are finite, integers fit the
+engine's types) and an error names the field and what it accepts. Request-level checks that
+need the model (vocabulary, context length) are in `airserve.srt.managers.validation`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-# SGLang sampling fields that airserve accepts and ignores (clients send them, often as null).
-IGNORED_FIELDS = frozenset({
-    "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "no_stop_trim",
-    "spaces_between_special_tokens", "custom_params", "logit_bias", "n", "sampling_seed_offset",
-    "stream_interval",
-})
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1  # torch.Generator seeds are 64-bit
+MAX_STOP_STRINGS = 64  # every stop string is matched after every step
+
+# SGLang sampling fields airserve does not implement -> the values that ask for nothing (null
+# is always fine). Any other value would change the output, so the request is refused.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
+    "logit_bias": ({},), "custom_params": ({},), "n": (1,), "no_stop_trim": (False,),
+    "spaces_between_special_tokens": (True,), "sampling_seed_offset": (0,),
+}
+# Accepted and checked, with no effect on the output: every step is streamed anyway.
+NO_EFFECT = frozenset({"stream_interval"})
+
+
+class FieldError(ValueError):
+    """A request field is missing, of the wrong type or out of range; `field` names it."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+
+
+def show(value: object) -> str:
+    """A short, always printable form of a request value for error messages."""
+    if isinstance(value, bool) or value is None:
+        return "true" if value is True else "false" if value is False else "null"
+    if isinstance(value, int):
+        bits = value.bit_length()
+        return repr(value) if bits <= 64 else f"an integer of {bits} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:40] + "...")
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a {type(value).__name__}" if not isinstance(value, dict) else "an object"
+
+
+def expect_int(name: str, value: object, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise FieldError(name, f"must be an integer in [{low}, {high}], got {show(value)}")
+    return value
+
+
+def expect_float(name: str, value: object, low: float = -math.inf, high: float = math.inf,
+                 low_open: bool = False) -> float:
+    """A finite number (an int is fine, a bool is not) in [low, high] (or (low, high])."""
+    ok = type(value) in (int, float) and math.isfinite(value)
+    ok = ok and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{_num(low)}, {_num(high)}]"
+        raise FieldError(name, f"must be a finite number in {bounds}, got {show(value)}")
+    return float(value)
+
+
+def expect_bool(name: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise FieldError(name, f"must be true or false, got {show(value)}")
+    return value
+
+
+def expect_stop(name: str, value: object) -> list[str]:
+    strings = [value] if isinstance(value, str) else value
+    if not (isinstance(strings, list) and len(strings) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and s for s in strings)):
+        raise FieldError(name, f"must be a non-empty string or a list of at most "
+                               f"{MAX_STOP_STRINGS} of them, got {show(value)}")
+    return list(strings)
+
+
+def expect_token_ids(name: str, value: object) -> list[int]:
+    if not (isinstance(value, list) and all(type(t) is int and 0 <= t <= INT32_MAX
+                                            for t in value)):
+        raise FieldError(name, f"must be a list of token ids (integers >= 0), got {show(value)}")
+    return value
+
+
+def refuse_not_implemented(values: Mapping, table: Mapping[str, tuple], prefix: str = "") -> None:
+    """Refuse every field of `table` that `values` sets to anything but null or a no-op."""
+    bad = [name for name, noop in table.items()
+           if values.get(name) is not None and not _is_one_of(values[name], noop)]
+    if bad:
+        names = ", ".join(prefix + name for name in bad)
+        raise FieldError(prefix + bad[0], f"not supported by airserve (it would change the "
+                                          f"output); leave it out of the request: {names}")
+
+
+def _is_one_of(value: object, options: tuple) -> bool:
+    return any(type(value) is type(o) and value == o for o in options)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and x == int(x) else str(x)
+
+
+_Check = Callable[[str, object], object]
+# Field -> check: returns the value to store, or raises FieldError naming the field.
+RULES: dict[str, _Check] = {
+    "max_new_tokens": lambda n, v: expect_int(n, v, 0, INT32_MAX),
+    "min_new_tokens": lambda n, v: expect_int(n, v, 0, INT32_MAX),
+    "temperature": lambda n, v: expect_float(n, v, 0.0),
+    "top_p": lambda n, v: expect_float(n, v, 0.0, 1.0, low_open=True),
+    "top_k": lambda n, v: v if v == -1 and type(v) is int else expect_int(n, v, 0, INT32_MAX),
+    "min_p": lambda n, v: expect_float(n, v, 0.0, 1.0),
+    "frequency_penalty": lambda n, v: expect_float(n, v, -2.0, 2.0),
+    "presence_penalty": lambda n, v: expect_float(n, v, -2.0, 2.0),
+    "repetition_penalty": lambda n, v: expect_float(n, v, 0.0, 2.0, low_open=True),
+    "stop": expect_stop,
+    "stop_token_ids": expect_token_ids,
+    "ignore_eos": expect_bool,
+    "skip_special_tokens": expect_bool,
+    "seed": lambda n, v: expect_int(n, v, 0, INT64_MAX),
+    "stream_interval": lambda n, v: expect_int(n, v, 1, INT32_MAX),
+}
 
 
 @dataclass
@@ -31,51 +147,29 @@ class SamplingParams:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> SamplingParams:
-        """Build and validate; an unknown or ill-typed field raises ValueError naming it."""
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in names and k not in IGNORED_FIELDS)
+    def from_dict(cls, d: Mapping | None, prefix: str = "") -> SamplingParams:
+        """Build and validate. A null field takes its default; an unknown, ill-typed, out of
+        range or unimplemented field raises FieldError (a ValueError) naming it as
+        `prefix + name`."""
+        if d is None:
+            d = {}
+        if not isinstance(d, Mapping):
+            raise FieldError(prefix.rstrip(".") or "sampling_params",
+                             f"must be an object, got {show(d)}")
+        unknown = sorted(k for k in d if k not in RULES and k not in NOT_IMPLEMENTED)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        values = {k: v for k, v in d.items() if k in names and v is not None}
-        if "stop" in values and isinstance(values["stop"], str):
-            values["stop"] = [values["stop"]]
+            raise FieldError(prefix + str(unknown[0]), "unknown sampling parameter; known: "
+                             + ", ".join(sorted(RULES)))
+        refuse_not_implemented(d, NOT_IMPLEMENTED, prefix)
+        values = {k: RULES[k](prefix + k, v) for k, v in d.items() if k in RULES and v is not None}
+        for name in NO_EFFECT:
+            values.pop(name, None)
         params = cls(**values)
-        params.validate()
+        if params.min_new_tokens > params.max_new_tokens:
+            raise FieldError(prefix + "min_new_tokens",
+                             f"must be <= max_new_tokens ({params.max_new_tokens}), got "
+                             f"{params.min_new_tokens}")
         return params
-
-    def validate(self) -> None:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {rule}")
-
-        ints = ("max_new_tokens", "min_new_tokens", "top_k")
-        for name in ints:
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
-                 name, "must be an integer")
-        floats = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty")
-        for name in floats:
-            value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool), name,
-                 "must be a number")
-        need(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
-        need(self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
-        need(self.temperature >= 0, "temperature", "must be >= 0")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off) or >= 0")
-        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        need(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
-        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             "stop", "must be a non-empty string or a list of them")
-        need(isinstance(self.stop_token_ids, list)
-             and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids", "must be a list of token ids")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
 
     @property
     def is_greedy(self) -> bool:
