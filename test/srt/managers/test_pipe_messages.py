@@ -77,7 +77,7 @@ def test_typed_messages_both_ways(core):
         assert deltas[-1].finished_reason == {"type": "length", "length": 4}
         # Wrong type and out-of-range values: 400s naming the field, the loop goes on.
         t.send.send(io.GenerateReqInput("b", [5], {"temperature": "hot"}))
-        t.send.send(io.GenerateReqInput("c", [5] * 100, {"max_new_tokens": 1000}))
+        t.send.send(io.GenerateReqInput("c", [5] * 100, {"max_new_tokens": 200}))  # > pool, < context
         errors = [e for m in t.until(errored("c")) for e in m.errors]
         by_rid = {e.rid: e for e in errors}
         assert by_rid["b"].status == 400 and "temperature" in by_rid["b"].message
