@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 from airserve.srt.managers.req import Req
-from airserve.srt.managers.scheduler import Scheduler
+from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.server_args import ServerArgs
@@ -27,6 +27,7 @@ def req_output(req: Req, text: str | None = None) -> dict:
     meta = {
         "id": req.rid,
         "prompt_tokens": len(req.input_ids),
+        "cached_tokens": req.cached_tokens,
         "completion_tokens": len(req.output_ids),
         "finish_reason": req.finished_reason,
         "e2e_latency": (req.finished_time or 0) - req.created_time if req.finished else None,
@@ -40,6 +41,14 @@ def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int,
     return tuple(sorted(ids))
 
 
+def scheduler_config(args: ServerArgs) -> SchedulerConfig:
+    return SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
+                           chunked_prefill_size=args.resolved_chunked_prefill_size,
+                           enable_mixed_chunk=args.enable_mixed_chunk,
+                           schedule_policy=args.schedule_policy,
+                           radix_cache=not args.disable_radix_cache)
+
+
 class Engine:
     """`Engine(model_path=None, device="cpu", **server_args)`; see ServerArgs for the names."""
 
@@ -48,9 +57,9 @@ class Engine:
         args = self.server_args
         self.tokenizer = get_tokenizer(args.tokenizer_path or args.model_path)
         self.model_runner = ModelRunner(args)
-        self.scheduler = Scheduler(self.model_runner, eos_token_ids(self.model_runner,
-                                                                    self.tokenizer),
-                                   args.max_prefill_tokens)
+        self.scheduler = Scheduler(self.model_runner,
+                                   eos_token_ids(self.model_runner, self.tokenizer),
+                                   scheduler_config(args))
         self._closed = False
 
     def generate(self, prompt: str | Sequence[str] | None = None,
@@ -141,6 +150,7 @@ class Engine:
             "available_kv_tokens": runner.allocator.available_tokens(),
             "eager_fallbacks": dict(runner.fallback_counts),
             "scheduler": dict(self.scheduler.stats),
+            "prefix_cache": self.scheduler.cache_report(),
             "decode_kernels": runner.kernels_report(),
         }
         if runner.graph_runner is not None:
