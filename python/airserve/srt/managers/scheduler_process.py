@@ -17,8 +17,9 @@ scheduler -> HTTP:
     ("reply", token, ok, payload)
     ("fatal", message)            the loop crashed; the process exits after sending it
 
-A Delta is (rid, new_output_ids, text_offset, text, finished_reason): the client's text
-becomes `text[:text_offset] + text`, so it stays cumulative without resending it.
+A Delta is (rid, new_output_ids, text_offset, text, finished_reason, cached_tokens): the
+client's text becomes `text[:text_offset] + text`, so it stays cumulative without resending
+it; cached_tokens counts the prompt tokens the prefix cache supplied.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ class SchedulerLoop:
             text = req.stream_text()
             offset = min(req.sent_text_len, len(text))
             req.sent_text_len = len(text)
-            deltas.append((req.rid, new_ids, offset, text[offset:], req.finished_reason))
+            deltas.append((req.rid, new_ids, offset, text[offset:], req.finished_reason,
+                           req.cached_tokens))
             if req.finished:
                 del self.reqs[req.rid]
         if time.monotonic() - self._last_stats >= STATS_INTERVAL_S:
@@ -192,6 +194,7 @@ class SchedulerLoop:
             "graph_replays": self.runner.graph_replays,
             "eager_fallbacks": dict(self.runner.fallback_counts),
             **self.scheduler.stats,
+            "prefix_cache": self.scheduler.cache_report(),
         }
 
     def call_server_info(self) -> dict:
@@ -201,10 +204,8 @@ class SchedulerLoop:
         return info
 
     def call_flush_cache(self) -> str:
-        n = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if n:
-            raise RuntimeError(f"{n} requests are in flight; flush when the server is idle")
-        return "Cache flushed (airserve keeps no prefix cache; every KV page is free)."
+        self.scheduler.flush_cache()
+        return "Cache flushed: the prefix cache is empty and every KV page is free."
 
 
 def configure_logging(level: str, who: str) -> None:
