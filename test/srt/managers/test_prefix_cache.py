@@ -28,8 +28,8 @@ def engine(request, tiny_llama_dir):
 
 
 def make_scheduler(engine: Engine, **config) -> Scheduler:
-    return Scheduler(engine.model_runner,
-                     eos_token_ids(engine.model_runner, engine.tokenizer), SchedulerConfig(**config))
+    eos = eos_token_ids(engine.model_runner, engine.tokenizer)
+    return Scheduler(engine.model_runner, eos, SchedulerConfig(**config))
 
 
 def shared_prefix_prompts(vocab: int, seed: int = 7) -> list[list[list[int]]]:

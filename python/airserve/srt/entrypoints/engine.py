@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator, Sequence
@@ -151,6 +152,7 @@ class Engine:
             "eager_fallbacks": dict(runner.fallback_counts),
             "scheduler": dict(self.scheduler.stats),
             "prefix_cache": self.scheduler.cache_report(),
+            "schedule": dataclasses.asdict(self.scheduler.config),
             "decode_kernels": runner.kernels_report(),
         }
         if runner.graph_runner is not None:
