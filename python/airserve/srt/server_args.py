@@ -15,9 +15,13 @@ TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-# Chunk size when --chunked-prefill-size is not given. On CPU, prefill runs at nearly full speed
-# from a few hundred tokens per forward on (see the note in DEFAULT_CPU_CHUNK below), while a
-# running stream waits for the whole chunk; accelerators take SGLang's size.
+# Chunk size when --chunked-prefill-size is not given. A running stream waits for a whole chunk
+# (without --enable-mixed-chunk) and each chunk re-reads the weights, so the size trades stalls
+# against prefill throughput. Measured on CPU (default model, a 1024-token prompt, one thread,
+# a busy 2-core machine): chunks of 128 / 256 / 512 tokens / the whole prompt took 11.1 / 8.2 /
+# 6.8 / 7.1 s, the longest step 1.5 / 2.2 / 3.6 / 7.1 s. From 512 on, chunking costs nothing
+# and halves the longest stall of a 1024-token prompt; smaller chunks cost 16-56% more prefill.
+# Accelerators take SGLang's size.
 DEFAULT_CPU_CHUNK = 512
 DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_CHUNK, "cuda": 8192, "npu": 8192}
 

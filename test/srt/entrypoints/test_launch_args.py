@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airserve.launch_server import parse_args
+from airserve.srt.server_args import DEFAULT_CPU_CHUNK
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -33,7 +34,7 @@ def test_scheduling_flags():
     assert (args.schedule_policy, args.resolved_chunked_prefill_size) == ("lpm", 256)
     assert args.enable_mixed_chunk and not args.disable_radix_cache
     assert parse_args(["--chunked-prefill-size", "-1"]).resolved_chunked_prefill_size is None
-    assert parse_args([]).resolved_chunked_prefill_size == 512  # the cpu default
+    assert parse_args([]).resolved_chunked_prefill_size == DEFAULT_CPU_CHUNK
 
 
 def test_defaults():

@@ -190,7 +190,9 @@ class SchedulerLoop:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "kv_total_tokens": total,
-            "kv_used_tokens": total - alloc.available_tokens(),
+            # As in SGLang: pages the prefix cache could evict count as available.
+            "kv_used_tokens": total - alloc.available_tokens()
+            - self.scheduler.kv.cache.evictable_pages() * alloc.page_size,
             "graph_replays": self.runner.graph_replays,
             "eager_fallbacks": dict(self.runner.fallback_counts),
             **self.scheduler.stats,
