@@ -47,9 +47,10 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "radix+chunked": (),  # the defaults
     "radix+chunked+mixed": ("--enable-mixed-chunk",),
 }
-SMALL = dict(gsm8k_questions=16, gsm8k_parallel=16, gsp_num_groups=2, gsp_prompts_per_group=4,
-             gsp_system_prompt_len=256, gsp_question_len=32, gsp_output_len=16, input_len=64,
-             output_len=16, concurrency=[1, 8], num_prompts=8, poisson_prompts=12)
+SMALL = dict(gsm8k_questions=16, gsm8k_parallel=16, gsm8k_max_new_tokens=48, gsp_num_groups=2,
+             gsp_prompts_per_group=4, gsp_system_prompt_len=256, gsp_question_len=32,
+             gsp_output_len=16, input_len=64, output_len=16, concurrency=[1, 8], num_prompts=8,
+             poisson_prompts=12)
 COLUMNS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
@@ -82,6 +83,7 @@ def bench(server: Server, tokenizer: Any, argv: list[str]) -> dict:
 def gsm8k(server: Server, args: argparse.Namespace, out: Path) -> dict:
     argv = ["--host", "http://127.0.0.1", "--port", server.url.rsplit(":", 1)[1],
             "--num-questions", str(args.gsm8k_questions), "--parallel", str(args.gsm8k_parallel),
+            "--max-new-tokens", str(args.gsm8k_max_new_tokens),
             "--result-file", str(out), "--disable-tqdm"]  # fmt: skip
     metrics = asyncio.run(few_shot_gsm8k.run_eval(few_shot_gsm8k.build_parser().parse_args(argv)))
     saved = json.loads(out.read_text(encoding="utf-8"))
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(f"{k}={v}" for k, v in SMALL.items()))
     p.add_argument("--gsm8k-questions", type=int, default=200, help="0 skips gsm8k")
     p.add_argument("--gsm8k-parallel", type=int, default=64)
+    p.add_argument("--gsm8k-max-new-tokens", type=int, default=512)
     p.add_argument("--gsp-num-groups", type=int, default=8)
     p.add_argument("--gsp-prompts-per-group", type=int, default=16)
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)

@@ -200,3 +200,25 @@ def test_default_model_greedy_equal_with_cache_and_chunks():
         sched.flush_cache()
     assert results["radix_chunk100"] == results["reference"]
     assert results["radix_chunk100_mixed"] == results["reference"]
+
+
+@pytest.mark.slow
+def test_cpu_graph_runner_keeps_replaying_and_mixed_steps_are_not_fallbacks(tiny_llama_dir):
+    """Decode-only steps replay the compiled graphs; mixed steps run eager without counting as
+    eager fallbacks; greedy outputs equal eager without the cache."""
+    from decode_driver import make_runner
+
+    from airserve.srt.tokenizer import get_tokenizer
+
+    eager = make_runner(tiny_llama_dir, page_size=4)
+    graph = make_runner(tiny_llama_dir, runner_from=eager, page_size=4,
+                        enable_torch_compile=True, cuda_graph_bs=(4,))
+    tok = get_tokenizer(tiny_llama_dir)
+    first, second = shared_prefix_prompts(eager.model_config.vocab_size)
+    waves = [first[:2], second[:4]]
+    ref = run_waves(Scheduler(eager, (), SchedulerConfig(radix_cache=False)), tok, waves)
+    sched = Scheduler(graph, (), SchedulerConfig(chunked_prefill_size=7, enable_mixed_chunk=True))
+    outs = run_waves(sched, tok, waves)
+    assert [r.output_ids for r in outs] == [r.output_ids for r in ref]
+    assert sched.stats["mixed_steps"] > 0 and graph.graph_replays > 0
+    assert dict(graph.fallback_counts) == {}

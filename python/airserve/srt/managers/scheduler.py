@@ -227,7 +227,11 @@ class Scheduler:
         ids, positions, lens, prefix_lens, last = [], [], [], [], []
         for req in reqs:
             start, n = req.kv_len, req.extend_len
-            ids.extend(req.fill_ids[start:start + n])
+            prompt_len = len(req.input_ids)
+            if start >= prompt_len:  # a decode row: no need to copy the whole sequence
+                ids.extend(req.output_ids[start - prompt_len:start - prompt_len + n])
+            else:
+                ids.extend(req.fill_ids[start:start + n])
             positions.extend(range(start, start + n))
             prefix_lens.append(start)
             lens.append(n)
