@@ -203,16 +203,21 @@ def test_default_model_greedy_equal_with_cache_and_chunks():
 
 
 @pytest.mark.slow
-def test_cpu_graph_runner_keeps_replaying_and_mixed_steps_are_not_fallbacks(tiny_llama_dir):
-    """Decode-only steps replay the compiled graphs; mixed steps run eager without counting as
-    eager fallbacks; greedy outputs equal eager without the cache."""
+@pytest.mark.parametrize("backend", ["inductor", "openvino"])
+def test_graph_runners_keep_replaying_and_mixed_steps_are_not_fallbacks(tiny_llama_dir, backend):
+    """Decode-only steps replay the compiled graphs (CPUGraphRunner, OpenVINORunner); mixed
+    steps run eager without counting as eager fallbacks; greedy outputs equal eager without
+    the cache."""
     from decode_driver import make_runner
 
     from airserve.srt.tokenizer import get_tokenizer
 
+    if backend == "openvino":
+        pytest.importorskip("openvino", reason="openvino is not installed")
     eager = make_runner(tiny_llama_dir, page_size=4)
     graph = make_runner(tiny_llama_dir, runner_from=eager, page_size=4,
-                        enable_torch_compile=True, cuda_graph_bs=(4,))
+                        enable_torch_compile=True, torch_compile_backend=backend,
+                        cuda_graph_bs=(4,))
     tok = get_tokenizer(tiny_llama_dir)
     first, second = shared_prefix_prompts(eager.model_config.vocab_size)
     waves = [first[:2], second[:4]]
