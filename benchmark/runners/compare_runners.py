@@ -157,6 +157,8 @@ def runner_summary(info: dict) -> dict:
         "model_path": info.get("server_args", {}).get("model_path") or info.get("model_path"),
         "max_total_tokens": info.get("max_total_tokens"),
         "max_running_requests": info.get("server_args", {}).get("max_running_requests"),
+        # Prefix cache, chunked prefill and mixed batches, as resolved by the server.
+        "schedule": info.get("schedule"),
     }
 
 
@@ -173,6 +175,9 @@ def run_bench(server: Server, concurrency: int, args: argparse.Namespace, tokeni
         "--num-prompts", str(num_prompts(args, concurrency)),
         "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--disable-tqdm",
         "--output-file", str(out_file),
+        # Every level re-sends prompts of the same seed: without a flush the prefix cache
+        # would serve the later levels' prompts and they would measure decode only.
+        "--flush-cache",
     ]  # fmt: skip
     if args.dataset_path:
         argv += ["--dataset-path", args.dataset_path]
@@ -223,6 +228,7 @@ def measure(server: Server, record: dict, args: argparse.Namespace, out_dir: Pat
         server.check_alive()
     final = get_json(server.url + "/get_server_info")
     record["eager_fallbacks"] = final.get("eager_fallbacks")
+    record["prefix_cache"] = final.get("stats", {}).get("prefix_cache")
     record["replay_count"] = (final.get("graph_runner") or {}).get("replay_count")
 
 

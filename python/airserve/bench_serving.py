@@ -42,6 +42,7 @@ from airserve.benchmark.datasets import (
     load_sharegpt_records,
     load_text_corpus,
     load_tokenizer,
+    sample_generated_shared_prefix_requests,
     sample_random_requests,
     sample_sharegpt_requests,
     sharegpt_pairs,
@@ -71,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer.json, model dir or GGUF; default: the server's tokenizer_path",
     )
     p.add_argument(
-        "--dataset-name", choices=("sharegpt", "random", "random-ids"), default="sharegpt"
+        "--dataset-name",
+        choices=("sharegpt", "random", "random-ids", "generated-shared-prefix"),
+        default="sharegpt",
     )
     p.add_argument(
         "--dataset-path",
@@ -84,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=1024)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    # generated-shared-prefix (SGLang's names and defaults); --num-prompts does not apply.
+    p.add_argument("--gsp-num-groups", type=int, default=64, help="system prompts")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16,
+                   help="questions sharing each system prompt")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="tokens")
+    p.add_argument("--gsp-question-len", type=int, default=128, help="tokens")
+    p.add_argument("--gsp-output-len", type=int, default=256, help="tokens")
     p.add_argument(
         "--request-rate",
         type=float,
@@ -145,6 +155,20 @@ def build_dataset(
             fixed_output_len=args.sharegpt_output_len,
             context_len=args.sharegpt_context_len,
         )
+    elif args.dataset_name == "generated-shared-prefix":
+        try:
+            rows = sample_generated_shared_prefix_requests(
+                args.gsp_num_groups,
+                args.gsp_prompts_per_group,
+                args.gsp_system_prompt_len,
+                args.gsp_question_len,
+                args.gsp_output_len,
+                tokenizer,
+                rng,
+                load_text_corpus(args.dataset_path),
+            )
+        except ValueError as e:
+            raise BenchmarkError(str(e)) from None
     else:
         texts = load_text_corpus(args.dataset_path) if args.dataset_name == "random" else None
         rows = sample_random_requests(

@@ -32,13 +32,10 @@ SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--quantization": ((), "quantized weights are dequantized at load (GGUF); there is no "
                            "runtime quantization"),
     "--kv-cache-dtype": (("auto",), "the KV cache uses the model dtype (see --dtype)"),
-    "--chunked-prefill-size": ((-1,), "chunked prefill is not supported; "
-                                      "--max-prefill-tokens bounds a prefill batch"),
     "--enable-lora": ((), "LoRA adapters are not supported"),
     "--lora-paths": ((), "LoRA adapters are not supported"),
     "--speculative-algorithm": ((), "speculative decoding is not supported"),
     "--chat-template": ((), "the model's own chat template is always used"),
-    "--schedule-policy": (("fcfs",), "airserve schedules first come, first served only"),
     "--load-format": (("auto",), "weights load from safetensors or GGUF, chosen by the path"),
     "--tokenizer-mode": (("auto",), "only the fast (tokenizers) tokenizer is supported"),
     "--skip-tokenizer-init": ((), "the server always tokenizes"),
@@ -47,15 +44,14 @@ SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--stream-interval": ((1,), "every decode step is streamed"),
     # Accepted: they ask for what airserve does anyway.
     "--trust-remote-code": ((True,), ""),  # no model code is ever loaded from a checkpoint
-    "--disable-radix-cache": ((True,), ""),  # there is no radix cache to disable
     "--disable-overlap-schedule": ((True,), ""),  # the schedule never overlaps
 }
 _FLAG_TYPES = {"--tp-size": int, "--tensor-parallel-size": int, "--dp-size": int,
                "--data-parallel-size": int, "--pp-size": int, "--pipeline-parallel-size": int,
                "--ep-size": int, "--nnodes": int, "--node-rank": int,
-               "--chunked-prefill-size": int, "--stream-interval": int}
+               "--stream-interval": int}
 _SWITCHES = ("--enable-dp-attention", "--enable-lora", "--skip-tokenizer-init", "--is-embedding",
-             "--trust-remote-code", "--disable-radix-cache", "--disable-overlap-schedule")
+             "--trust-remote-code", "--disable-overlap-schedule")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -129,3 +129,24 @@ def test_encode_accepts_tokenizers_encoding(char_tokenizer, tmp_path, char_token
     assert ds.encode(char_tokenizer, "ab") == [11, 12]
     loaded = ds.load_tokenizer(char_tokenizer_path)
     assert ds.encode(loaded, "ab", add_special_tokens=False) == [11, 12]
+
+
+def test_generated_shared_prefix_groups_share_their_system_prompt(byte_tokenizer):
+    texts = ["The quick brown fox. ", "", "Jumps over the lazy dog! "]
+    rows = ds.sample_generated_shared_prefix_requests(
+        3, 4, 30, 6, 9, byte_tokenizer, np.random.default_rng(4), texts
+    )
+    assert len(rows) == 12 and all(r.output_len == 9 for r in rows)
+    systems = {r.prompt.split("\n\n")[0] for r in rows}
+    assert len(systems) == 3 and all(len(s) == 30 for s in systems)
+    for system in systems:
+        group = [r for r in rows if r.prompt.startswith(system + "\n\n")]
+        assert len(group) == 4 and len({r.prompt for r in group}) == 4  # distinct questions
+    assert all(r.prompt_len == 30 + 2 + 6 for r in rows)
+    # Shuffled: the four prompts of the first group are not all in front.
+    first = rows[0].prompt.split("\n\n")[0]
+    assert [r.prompt.startswith(first) for r in rows[:4]] != [True] * 4
+    with pytest.raises(ValueError, match="--gsp-question-len"):
+        ds.sample_generated_shared_prefix_requests(
+            1, 1, 4, 0, 1, byte_tokenizer, np.random.default_rng(0), texts
+        )

@@ -250,3 +250,49 @@ def sample_random_requests(
         ids = (ids * repeats)[:n]
         rows.append(DatasetRow(tokenizer.decode(ids), n, int(output_lens[i])))
     return rows
+
+
+def _text_tokens(tokenizer: Any, texts: Sequence[str], rng: np.random.Generator):
+    """An endless stream of token ids of the corpus texts, in a shuffled order."""
+    order = rng.permutation(len(texts))
+    while True:
+        produced = False
+        for i in order:
+            for token in encode(tokenizer, texts[i], add_special_tokens=False):
+                produced = True
+                yield token
+        if not produced:
+            raise ValueError("the text corpus has no non-empty text")
+
+
+def sample_generated_shared_prefix_requests(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    tokenizer: Any,
+    rng: np.random.Generator,
+    texts: Sequence[str],
+) -> list[DatasetRow]:
+    """SGLang's `generated-shared-prefix`: `num_groups` system prompts of `system_prompt_len`
+    tokens, each followed by `prompts_per_group` questions of `question_len` tokens (joined by
+    a blank line), shuffled. Text comes from the corpus, so it re-tokenizes the same way."""
+    for name, value in (("--gsp-num-groups", num_groups),
+                        ("--gsp-prompts-per-group", prompts_per_group),
+                        ("--gsp-system-prompt-len", system_prompt_len),
+                        ("--gsp-question-len", question_len), ("--gsp-output-len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    stream = _text_tokens(tokenizer, texts, rng)
+
+    def take(n: int) -> str:
+        return tokenizer.decode([next(stream) for _ in range(n)])
+
+    rows = []
+    for _ in range(num_groups):
+        system = take(system_prompt_len)
+        for _ in range(prompts_per_group):
+            prompt = f"{system}\n\n{take(question_len)}"
+            rows.append(DatasetRow(prompt, len(encode(tokenizer, prompt)), output_len))
+    return [rows[i] for i in rng.permutation(len(rows))]

@@ -103,6 +103,20 @@ class _SchedulerCollector(Collector):
         for reason, count in sorted(s.get("eager_fallbacks", {}).items()):
             fallbacks.add_metric(name + [reason], count)
         yield fallbacks
+        cache = s.get("prefix_cache", {})
+        yield gauge("cache_hit_rate", "Prefix cache hit rate (cached / looked-up prompt tokens)",
+                    cache.get("hit_rate", 0.0))
+        yield gauge("radix_cache_tokens", "Tokens held by the prefix cache",
+                    cache.get("cached_tokens", 0))
+        yield gauge("radix_cache_nodes", "Nodes of the prefix cache's tree", cache.get("nodes", 0))
+        evicted = CounterMetricFamily(PREFIX + "radix_cache_evicted_tokens", "Tokens evicted from "
+                                      "the prefix cache", labels=["model_name"])
+        evicted.add_metric(name, cache.get("evicted_tokens", 0))
+        yield evicted
+        mixed = CounterMetricFamily(PREFIX + "mixed_steps", "Forward passes that carried decode "
+                                    "rows and a prefill chunk together", labels=["model_name"])
+        mixed.add_metric(name, s.get("mixed_steps", 0))
+        yield mixed
         retractions = CounterMetricFamily(PREFIX + "num_retractions", "Requests retracted to "
                                           "free KV pages", labels=["model_name"])
         retractions.add_metric(name, s.get("retractions", 0))

@@ -93,4 +93,6 @@ def test_still_serving_after_bad_input(http):
     assert http.get("/health").status_code == 200
     info = http.get("/get_server_info").json()
     assert info["stats"]["num_running_reqs"] == 0
-    assert info["available_kv_tokens"] == info["max_total_tokens"]
+    cache = info["stats"]["prefix_cache"]  # every page is free or cached, none locked
+    assert info["available_kv_tokens"] + cache["cached_tokens"] == info["max_total_tokens"]
+    assert cache["evictable_tokens"] == cache["cached_tokens"]

@@ -118,3 +118,12 @@ def test_client_errors(server, model):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_usage_reports_cached_prompt_tokens(client, model):
+    prompt = "OpenAI cached tokens: " + " ".join(f"t{i}" for i in range(30))
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text

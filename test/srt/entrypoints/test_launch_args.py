@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airserve.launch_server import parse_args
+from airserve.srt.server_args import DEFAULT_CPU_CHUNK
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -24,6 +25,16 @@ def test_sglang_flag_names():
     assert args.model_path == "/m" and args.port == 31000 and args.host == "0.0.0.0"
     assert args.cuda_graph_bs == (1, 2, 4) and args.torch_compile_max_bs == 8
     assert args.served_model_name == "m" and args.api_key == "k" and args.enable_metrics
+    assert args.disable_radix_cache
+
+
+def test_scheduling_flags():
+    args = parse_args(["--schedule-policy", "lpm", "--chunked-prefill-size", "256",
+                       "--enable-mixed-chunk"])
+    assert (args.schedule_policy, args.resolved_chunked_prefill_size) == ("lpm", 256)
+    assert args.enable_mixed_chunk and not args.disable_radix_cache
+    assert parse_args(["--chunked-prefill-size", "-1"]).resolved_chunked_prefill_size is None
+    assert parse_args([]).resolved_chunked_prefill_size == DEFAULT_CPU_CHUNK
 
 
 def test_defaults():
@@ -50,3 +61,5 @@ def test_unsupported_sglang_flags_are_named(capsys):
 def test_bad_values_name_the_flag(capsys):
     assert "mem_fraction_static" in refused(["--mem-fraction-static", "2"], capsys)
     assert "--device" in refused(["--device", "tpu"], capsys)
+    assert "chunked_prefill_size=0" in refused(["--chunked-prefill-size", "0"], capsys)
+    assert "--schedule-policy" in refused(["--schedule-policy", "lifo"], capsys)

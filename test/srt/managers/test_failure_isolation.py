@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from airserve import Engine
-from airserve.srt.managers.engine_core import build_req, eos_token_ids
+from airserve.srt.managers.engine_core import build_req, eos_token_ids, scheduler_config
 from airserve.srt.managers.scheduler import Scheduler
 from airserve.srt.sampling.sampling_params import SamplingParams
 
@@ -65,9 +65,17 @@ class FaultyRunner:
         return self._runner.forward(fb)
 
 
+_made: list[Scheduler] = []
+
+
 def make_scheduler(engine, cls=Scheduler) -> Scheduler:
-    return cls(engine.model_runner, eos_token_ids(engine.model_runner, engine.tokenizer),
-               engine.server_args.max_prefill_tokens)
+    # Schedulers share the engine's KV pool: empty every earlier prefix cache, so that the new
+    # one starts with every page free.
+    for sched in [engine.scheduler, *_made]:
+        sched.flush_cache()
+    _made.append(cls(engine.model_runner, eos_token_ids(engine.model_runner, engine.tokenizer),
+                     scheduler_config(engine.server_args)))
+    return _made[-1]
 
 
 def run(engine, sched, prompts, bad_index=1, bad_params=None):
@@ -94,7 +102,9 @@ def assert_isolated(engine, sched, reqs, solo, status, stage):
             assert req.output_ids == want, req.rid
             assert req.finished_reason == {"type": "length", "length": GREEDY["max_new_tokens"]}
     alloc, pool = engine.model_runner.allocator, engine.model_runner.req_to_token_pool
-    assert alloc.available_pages() == alloc.total_usable_pages  # no KV page leaked
+    # No KV page leaked: every page is free or in the prefix cache (which can evict it).
+    assert sched.kv.audit(sched.holders())["owned"] == 0
+    assert sched.kv.available_pages() == alloc.total_usable_pages
     assert pool.available_size() == pool.size
     assert sched.stats["failed_requests"] == 1
 
@@ -118,8 +128,8 @@ def test_forward_failing_for_one_request_fails_only_it(engine, prompts, solo, mo
     sched.runner = FaultyRunner(engine.model_runner, fails)
     original = sched._build_extend
 
-    def remember_bad_slot(reqs):
-        fb = original(reqs)
+    def remember_bad_slot(reqs, locs):
+        fb = original(reqs, locs)
         bad_slot.extend(r.req_pool_idx for r in reqs if r.rid == BAD)
         return fb
 
@@ -149,7 +159,8 @@ def test_unattributable_batch_failure_fails_its_requests_and_the_scheduler_goes_
     assert all(r.finished_reason["status_code"] == 500 for r in reqs)
     assert all("injected fault" in r.finished_reason["message"] for r in reqs)
     alloc = engine.model_runner.allocator
-    assert alloc.available_pages() == alloc.total_usable_pages
+    assert sched.kv.audit(sched.holders())["owned"] == 0
+    assert sched.kv.available_pages() == alloc.total_usable_pages
     broken["on"] = False  # the device recovers: the same scheduler serves the next request
     again = run(engine, sched, prompts[:1], bad_index=-1)
     assert again[0].output_ids == solo[0]

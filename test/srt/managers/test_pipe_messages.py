@@ -77,7 +77,8 @@ def test_typed_messages_both_ways(core):
         assert deltas[-1].finished_reason == {"type": "length", "length": 4}
         # Wrong type and out-of-range values: 400s naming the field, the loop goes on.
         t.send.send(io.GenerateReqInput("b", [5], {"temperature": "hot"}))
-        t.send.send(io.GenerateReqInput("c", [5] * 100, {"max_new_tokens": 200}))  # > pool, < context
+        # More than the pool (256 tokens), less than the context (512).
+        t.send.send(io.GenerateReqInput("c", [5] * 100, {"max_new_tokens": 200}))
         errors = [e for m in t.until(errored("c")) for e in m.errors]
         by_rid = {e.rid: e for e in errors}
         assert by_rid["b"].status == 400 and "temperature" in by_rid["b"].message
@@ -115,7 +116,9 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(core, method
         t.send.send(io.GenerateReqInput("y", [5, 6], {"max_new_tokens": 3, "temperature": 0}))
         t.until(finished("y"))
         alloc, pool = core.model_runner.allocator, core.model_runner.req_to_token_pool
-        assert alloc.available_pages() == alloc.total_usable_pages
+        # Every page is free or in the prefix cache (which can evict it): none leaked.
+        assert sched.kv.audit(sched.holders())["owned"] == 0
+        assert sched.kv.available_pages() == alloc.total_usable_pages
         assert pool.available_size() == pool.size
     finally:
         delattr(sched, method)  # the class method again

@@ -19,7 +19,7 @@ HUGE = sys.float_info.max
 EXTREMES = {
     "temperature": [0.0, TINY, 1e-300, 1e-40, 1e-7, 1e-6, 0.5, 1.0, 1e6, 1e30, 1e300, HUGE],
     "top_p": [TINY, 1e-300, 1e-12, 0.5, 1 - 1e-16, 1.0],
-    "top_k": [-1, 0, 1, 2, 10**9, 2**63 - 1],
+    "top_k": [-1, 0, 1, 2, 10**9, 2**31 - 1],
     "min_p": [0.0, TINY, 1e-300, 0.5, 1.0],
     "frequency_penalty": [-2.0, -TINY, 0.0, TINY, 2.0],
     "presence_penalty": [-2.0, -TINY, 0.0, 2.0],
@@ -40,7 +40,9 @@ def rows(n: int, seed: int) -> torch.Tensor:
 
 
 def params_for(field: str, value) -> SamplingParams:
-    return SamplingParams.from_dict({field: value, "max_new_tokens": 8})
+    # min_new_tokens may not exceed max_new_tokens.
+    most = value if field == "min_new_tokens" else 8
+    return SamplingParams.from_dict({field: value, "max_new_tokens": most})
 
 
 def generator_for(p: SamplingParams) -> torch.Generator | None:

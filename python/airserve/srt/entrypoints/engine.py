@@ -23,6 +23,7 @@ def req_output(req: Req, text: str | None = None) -> dict:
     meta = {
         "id": req.rid,
         "prompt_tokens": len(req.input_ids),
+        "cached_tokens": req.cached_tokens,
         "completion_tokens": len(req.output_ids),
         "finish_reason": req.finished_reason,
         "e2e_latency": (req.finished_time or 0) - req.created_time if req.finished else None,

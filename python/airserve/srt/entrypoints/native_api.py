@@ -114,7 +114,7 @@ def output_dict(out: ReqOutput, index: int | None = None) -> dict:
         "finish_reason": out.finished_reason,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "e2e_latency": out.e2e_latency,
     }
     d = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}

@@ -243,8 +243,10 @@ def finish_reason(out: ReqOutput) -> str | None:
 def usage(outputs: list[ReqOutput], n: int) -> dict:
     prompt = sum(o.prompt_tokens for o in outputs[::n])  # each prompt counts once, not per choice
     completion = sum(o.completion_tokens for o in outputs)
+    cached = sum(o.cached_tokens for o in outputs[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class OpenAIServing:

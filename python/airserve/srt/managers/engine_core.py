@@ -6,12 +6,13 @@ itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
 
 from airserve.srt.managers.req import Req
-from airserve.srt.managers.scheduler import Scheduler
+from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
 from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.sampling.sampling_params import SamplingParams
@@ -34,6 +35,14 @@ def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int,
     return tuple(sorted(ids))
 
 
+def scheduler_config(args: ServerArgs) -> SchedulerConfig:
+    return SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
+                           chunked_prefill_size=args.resolved_chunked_prefill_size,
+                           enable_mixed_chunk=args.enable_mixed_chunk,
+                           schedule_policy=args.schedule_policy,
+                           radix_cache=not args.disable_radix_cache)
+
+
 class EngineCore:
     """`tokenizer`, `model_runner` and `scheduler` for one ServerArgs."""
 
@@ -45,7 +54,7 @@ class EngineCore:
         self.model_runner = ModelRunner(args)
         self.scheduler = Scheduler(self.model_runner,
                                    eos_token_ids(self.model_runner, self.tokenizer),
-                                   args.max_prefill_tokens)
+                                   scheduler_config(args))
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 
     def request_limits(self) -> RequestLimits:
@@ -71,10 +80,14 @@ class EngineCore:
             "device": runner.device,
             "context_length": runner.context_len,
             "max_total_tokens": runner.allocator.total_usable_pages * runner.allocator.page_size,
-            "available_kv_tokens": runner.allocator.available_tokens(),
+            # Pages the prefix cache could evict count as available (as in SGLang).
+            "available_kv_tokens": self.scheduler.kv.available_pages()
+            * runner.allocator.page_size,
             "kv_pool": self.kv_pool_info(),
             "eager_fallbacks": dict(runner.fallback_counts),
             "scheduler": dict(self.scheduler.stats),
+            "prefix_cache": self.scheduler.cache_report(),
+            "schedule": dataclasses.asdict(self.scheduler.config),
             "decode_kernels": runner.kernels_report(),
         }
         if runner.graph_runner is not None:

@@ -75,6 +75,7 @@ class ReqDelta:
     text_offset: int
     text: str
     finished_reason: dict | None = None  # {"type": "stop" | "length" | "abort", ...}
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass

@@ -21,6 +21,15 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
     kv_len: int = 0  # tokens whose K/V are in the cache
+    # KV slots allocated for the row, >= kv_len while a step is being built; all freed on release.
+    kv_alloc_len: int = 0
+    # The first prefix_len of them are pages shared from the prefix cache, held by locking
+    # `last_node` (a radix-cache node); the rest are this request's own pages.
+    prefix_len: int = 0
+    last_node: object | None = None
+    extend_len: int = 0  # tokens this step's forward adds (a prefill chunk, or 1 for decode)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed here
+    already_computed: int = 0  # most tokens this request ever had in the cache itself
     finished_reason: dict | None = None
     generator: torch.Generator | None = None
     created_time: float = field(default_factory=time.perf_counter)

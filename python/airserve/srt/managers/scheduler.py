@@ -1,9 +1,12 @@
-"""Continuous batching over a paged KV cache.
+"""Continuous batching over a paged KV cache with a radix prefix cache.
 
 One step: `batch = next_batch(); logits = model_runner.forward(batch.fb); process(batch, ...)`.
-New requests are prefilled as soon as memory and limits allow and then join the decode batch.
-When decode cannot grow, the newest running request is retracted (its KV freed) and re-run later
-from its prompt plus the tokens it already produced, so its output is unchanged.
+A new request reuses the KV of the longest cached prefix of its prompt and prefills the rest,
+in chunks of --chunked-prefill-size tokens when it is long; after its last chunk it joins the
+decode batch. With --enable-mixed-chunk the running requests decode in the same forward as a
+prefill chunk. When decode cannot grow, cached pages are evicted, then the newest running
+request is retracted (its KV goes into the prefix cache) and re-run later from its prompt plus
+the tokens it already produced, so its output is unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import torch
 
 from airserve.srt.managers import isolation
 from airserve.srt.managers.req import Req
+from airserve.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from airserve.srt.mem_cache.kv_manager import KVManager
+from airserve.srt.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 
@@ -29,21 +35,35 @@ class ScheduledBatch:
     fb: ForwardBatch
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_prefill_tokens: int = 8192  # prefill tokens per step without chunking
+    chunked_prefill_size: int | None = None  # None: whole prompts; else tokens per step
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    radix_cache: bool = True
+
+
 class Scheduler:
     def __init__(self, model_runner: ModelRunner, eos_token_ids: tuple[int, ...],
-                 max_prefill_tokens: int) -> None:
+                 config: SchedulerConfig | None = None) -> None:
         self.runner = model_runner
+        self.config = config = config or SchedulerConfig()
         self.allocator = model_runner.allocator
         self.req_pool = model_runner.req_to_token_pool
+        cache = (RadixCache if config.radix_cache else NoPrefixCache)(self.allocator)
+        self.kv = KVManager(self.allocator, self.req_pool, cache)
+        self.policy = SchedulePolicy(config.schedule_policy, self.kv)
         self.context_len = model_runner.context_len
         self.max_running = model_runner.max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # prefilled in part; its next chunk comes first
         self._finished: list[Req] = []
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "retractions": 0,
-                      "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
+                      "mixed_steps": 0, "finished_requests": 0, "aborted_requests": 0,
+                      "failed_requests": 0}
 
     # Requests in and out.
     def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
@@ -79,16 +99,33 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self._release(req)
+        for req in self.running + [self.chunked_req]:
+            if req is not None and req.rid == rid:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                else:
+                    self.running.remove(req)
+                self.kv.release(req)
                 self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished)
+        return bool(self.waiting or self.running or self.chunked_req or self._finished)
+
+    def holders(self) -> list[Req]:
+        """The requests that hold KV pages now."""
+        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache; refused while requests are in flight."""
+        n = len(self.running) + len(self.waiting) + (self.chunked_req is not None)
+        if n:
+            raise RuntimeError(f"{n} requests are in flight; flush when the server is idle")
+        self.kv.flush()
+
+    def cache_report(self) -> dict:
+        return self.kv.cache.report()
 
     def step(self) -> list[Req]:
         """Run one forward pass if there is work; return the requests that progressed."""
@@ -103,80 +140,114 @@ class Scheduler:
 
     # Batch building.
     def next_batch(self) -> ScheduledBatch | None:
-        prefill = self._admit()
-        if prefill:
-            return ScheduledBatch(prefill, self._build_extend(prefill))
+        """Without mixed batches: a prefill step whenever prefill work fits, else a decode step.
+        With them (--enable-mixed-chunk): the running requests' decode rows ride along with
+        this step's prefill rows in one extend batch."""
+        if not self.config.enable_mixed_chunk or not self.running:
+            prefill = self._admit()
+            if prefill is not None:
+                return ScheduledBatch(prefill.reqs, self._build_extend(prefill.reqs, prefill.locs))
+            return self._decode_batch()
+        retracted = self._make_room_for_decode()
+        # Re-admitting a request retracted this very step would only thrash.
+        prefill = None if retracted else self._admit()
+        if prefill is None:
+            return self._decode_batch(room_made=True)
+        return self._mixed_batch(prefill)
+
+    def _admit(self) -> PrefillAdder | None:
+        """This step's prefill rows, their KV slots allocated; None if nothing can start."""
+        cfg = self.config
+        chunked = cfg.chunked_prefill_size is not None
+        budget = cfg.chunked_prefill_size if chunked else cfg.max_prefill_tokens
+        adder = PrefillAdder(self.kv, budget, chunked, self.max_running - len(self.running),
+                             reserve_pages=len(self.running))
+        if self.chunked_req is not None and not adder.add_continuing(self.chunked_req):
+            return None
+        self.policy.order(self.waiting)
+        while self.waiting and adder.add(self.waiting[0]):
+            self.waiting.popleft()
+        self.chunked_req = adder.partial
+        if not adder.reqs:
+            return None
+        self.stats["prefill_tokens"] += sum(r.extend_len for r in adder.reqs)
+        return adder
+
+    def _decode_batch(self, room_made: bool = False) -> ScheduledBatch | None:
+        if not room_made:
+            self._make_room_for_decode()
         if not self.running:
             return None
-        self._make_room_for_decode()
-        if not self.running:
-            return None
+        for req in self.running:
+            req.extend_len = 1
         return ScheduledBatch(list(self.running), self._build_decode(self.running))
 
-    def _admit(self) -> list[Req]:
-        admitted: list[Req] = []
-        tokens = 0
-        free_pages = self.allocator.available_pages()
-        # Keep one page of headroom per running request so decode rarely has to retract.
-        headroom = len(self.running)
-        while self.waiting:
-            req = self.waiting[0]
-            n = len(req.fill_ids)
-            pages = self.allocator.pages_needed(0, n)
-            if len(self.running) + len(admitted) >= self.max_running:
-                break
-            if not self.req_pool.can_allocate(len(admitted) + 1):
-                break
-            if admitted and tokens + n > self.max_prefill_tokens:
-                break
-            if pages > free_pages - headroom - len(admitted):
-                break
-            self.waiting.popleft()
-            admitted.append(req)
-            tokens += n
-            free_pages -= pages
-        return admitted
+    def _mixed_batch(self, prefill: PrefillAdder) -> ScheduledBatch:
+        """Prefill rows, then every running request as a one-token extend. Eager by nature (the
+        decode graphs take decode batches only), and not an eager fallback."""
+        locs = list(prefill.locs)
+        # The admission kept one page per running request in reserve.
+        if not self.kv.make_room(sum(self.kv.pages_needed(r, r.kv_len + 1) for r in self.running)):
+            raise RuntimeError("no KV pages left for the decode rows of a mixed batch")
+        for req in self.running:
+            req.extend_len = 1
+            locs.append(self.kv.grow(req, req.kv_len + 1))
+        reqs = prefill.reqs + self.running
+        self.stats["mixed_steps"] += 1
+        return ScheduledBatch(reqs, self._build_extend(reqs, locs))
 
-    def _make_room_for_decode(self) -> None:
+    def _make_room_for_decode(self) -> bool:
+        """Free pages for one more token of every running request: evict cached pages first,
+        then retract the newest requests. True if any request was retracted."""
         def pages_needed() -> int:
-            return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + 1) for r in self.running)
+            return sum(self.kv.pages_needed(r, r.kv_len + 1) for r in self.running)
 
-        while self.running and pages_needed() > self.allocator.available_pages():
-            if len(self.running) == 1:
+        retracted = False
+        while self.running and not self.kv.make_room(pages_needed()):
+            retracted = True
+            if self.chunked_req is not None:  # a half-read prompt yields before any stream
+                victim, self.chunked_req = self.chunked_req, None
+            elif len(self.running) == 1:
                 req = self.running.pop()
-                self._release(req)
+                self.kv.release(req)
                 logger.warning("request %s stopped: the KV cache is full with it alone", req.rid)
                 self._finish(req, {"type": "abort", "message": "KV cache full; raise "
                                    "--max-total-tokens"})
-                return
-            victim = self.running.pop()  # the newest
-            self._release(victim)
+                return True
+            else:
+                victim = self.running.pop()  # the newest
+            self.kv.release(victim)  # its KV goes into the prefix cache: a re-run reuses it
             victim.num_retractions += 1
             self.stats["retractions"] += 1
             self.waiting.appendleft(victim)
             logger.info("retracted request %s to free KV pages (%d running)", victim.rid,
                         len(self.running))
+        return retracted
 
-    def _build_extend(self, reqs: list[Req]) -> ForwardBatch:
-        ids, positions, locs, lens, last = [], [], [], [], []
+    def _build_extend(self, reqs: list[Req], locs: list[torch.Tensor]) -> ForwardBatch:
+        """One extend batch: row i adds reqs[i].extend_len tokens after its kv_len cached ones
+        (a prompt chunk, or a decode row's last output token)."""
+        ids, positions, lens, prefix_lens, last = [], [], [], [], []
         for req in reqs:
-            req.req_pool_idx = self.req_pool.allocate()
-            fill = req.fill_ids
-            locs.append(self.allocator.allocate(req.req_pool_idx, 0, len(fill)))
-            ids.extend(fill)
-            positions.extend(range(len(fill)))
-            lens.append(len(fill))
+            start, n = req.kv_len, req.extend_len
+            prompt_len = len(req.input_ids)
+            if start >= prompt_len:  # a decode row: no need to copy the whole sequence
+                ids.extend(req.output_ids[start - prompt_len:start - prompt_len + n])
+            else:
+                ids.extend(req.fill_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            prefix_lens.append(start)
+            lens.append(n)
             last.append(len(ids) - 1)
-        self.stats["prefill_tokens"] += len(ids)
         return self.runner.make_forward_batch(
             ForwardMode.EXTEND, input_ids=ids, positions=positions,
-            req_pool_indices=[r.req_pool_idx for r in reqs], seq_lens=lens,
-            out_cache_loc=torch.cat(locs), extend_seq_lens=lens, extend_prefix_lens=[0] * len(reqs),
-            last_token_indices=last,
+            req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=[p + n for p, n in zip(prefix_lens, lens)], out_cache_loc=torch.cat(locs),
+            extend_seq_lens=lens, extend_prefix_lens=prefix_lens, last_token_indices=last,
         )
 
     def _build_decode(self, reqs: list[Req]) -> ForwardBatch:
-        locs = [self.allocator.allocate(r.req_pool_idx, r.kv_len, r.kv_len + 1) for r in reqs]
+        locs = [self.kv.grow(r, r.kv_len + 1) for r in reqs]
         return self.runner.make_forward_batch(
             ForwardMode.DECODE, input_ids=[r.output_ids[-1] for r in reqs],
             positions=[r.kv_len for r in reqs], req_pool_indices=[r.req_pool_idx for r in reqs],
@@ -186,32 +257,46 @@ class Scheduler:
     # Results.
     def process(self, batch: ScheduledBatch, logits: torch.Tensor,
                 rows: list[int] | None = None) -> list[Req]:
-        """Sample and append one token per row of `logits`, which are the batch's `rows` (all by
-        default). A request whose sampling or bookkeeping raises fails alone."""
+        """`logits` are those of the batch's `rows` that ran (all by default). Sample a token
+        for every row that finished its prompt or decoded; a row that read a prompt chunk only
+        keeps its KV. A request whose sampling or bookkeeping raises fails alone. Returns the
+        requests that progressed."""
         rows = list(range(len(batch.reqs))) if rows is None else rows
-        reqs = [batch.reqs[i] for i in rows]
-        next_ids = isolation.sample_isolated(self, reqs, logits,
-                                             [batch.fb.seq_lens_cpu[i] for i in rows])
+        seq_lens = batch.fb.seq_lens_cpu
+        done, picked = [], []  # batch rows that produce a token; their rows in `logits`
+        for k, i in enumerate(rows):
+            req = batch.reqs[i]
+            req.kv_len = seq_lens[i]
+            req.already_computed = max(req.already_computed, req.kv_len)
+            if req.kv_len == req.seq_len:
+                done.append(i)
+                picked.append(k)
+        reqs = [batch.reqs[i] for i in done]
+        if not reqs:
+            return []
+        if len(picked) < logits.shape[0]:
+            logits = logits[picked]
+        next_ids = isolation.sample_isolated(self, reqs, logits, [seq_lens[i] for i in done])
         now = time.perf_counter()
-        for i, req, token in zip(rows, reqs, next_ids):
+        running = set(map(id, self.running))
+        for i, req, token in zip(done, reqs, next_ids):
             if token is None:  # failed while sampling
                 continue
             try:
-                req.kv_len = batch.fb.seq_lens_cpu[i]
                 req.output_ids.append(token)
                 req.first_token_time = req.first_token_time or now
                 self.stats["generated_tokens"] += 1
                 reason = self._check_finished(req, token)
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
-                self.fail_request(req, e, "processing its new token", batch.fb.seq_lens_cpu[i])
+                self.fail_request(req, e, "processing its new token", seq_lens[i])
                 continue
-            if batch.fb.forward_mode.is_extend():
+            if id(req) not in running:  # its prefill is complete: it joins decode
                 self.running.append(req)
             if reason is not None:
                 self.running.remove(req)
-                self._release(req)
+                self.kv.release(req)
                 self._finish(req, reason)
-        return list(batch.reqs)
+        return reqs
 
     def fail_request(self, req: Req, error: Exception, stage: str, kv_len: int) -> None:
         """End one request with an error (HTTP 400 when its own values caused it, else 500):
@@ -221,8 +306,10 @@ class Scheduler:
                      type(error).__name__, error, exc_info=status >= 500)
         if req in self.running:
             self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
         req.kv_len = kv_len
-        self._release(req)
+        self.kv.release(req, cache=False)  # its KV may be half-written: never reused
         self.stats["failed_requests"] += 1
         self._finish(req, {"type": "abort", "status_code": status,
                            "message": f"the request failed while {stage}: "
@@ -231,17 +318,13 @@ class Scheduler:
     def fail_unattributed(self, message: str, tracked: list[Req] = ()) -> list[Req]:
         """A step raised where no request could be blamed: fail every running request (the
         step may have left them half-updated) and every `tracked` request that is neither
-        waiting nor finished (caught between queues); the waiting ones stay queued. KV pages
-        a half-built batch allocated beyond a request's cached length cannot be told apart
-        from stale slots, so they are not freed: logged, and seen as a leak in the stats."""
+        waiting nor finished (caught between queues); the waiting ones stay queued. Their KV
+        pages, those a half-built batch allocated included, are freed."""
         queued = set(map(id, self.waiting))
         limbo = [r for r in tracked if id(r) not in queued and not r.finished
-                 and r not in self.running]
-        for req in list(self.running) + limbo:
+                 and r not in self.holders()]
+        for req in self.holders() + limbo:
             self.fail_request(req, RuntimeError(message), "running a batch", req.kv_len)
-        if limbo:
-            logger.warning("%d requests were between queues when the step failed; KV pages "
-                           "they may have been given are not freed", len(limbo))
         updated, self._finished = self._finished, []
         return updated
 
@@ -262,13 +345,6 @@ class Scheduler:
         if req.seq_len >= self.context_len:
             return {"type": "length", "length": len(req.output_ids)}
         return None
-
-    def _release(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            self.allocator.free(req.req_pool_idx, req.kv_len)
-            self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_len = 0
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finished_reason = reason

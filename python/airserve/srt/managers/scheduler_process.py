@@ -179,7 +179,7 @@ class SchedulerLoop:
             offset = min(req.sent_text_len, len(text))
             req.sent_text_len = len(text)
             deltas.append(io.ReqDelta(req.rid, new_ids, offset, text[offset:],
-                                      req.finished_reason))
+                                      req.finished_reason, req.cached_tokens))
         if time.monotonic() - self._last_stats >= STATS_INTERVAL_S:
             self._send_stats(deltas, errors)
         else:
@@ -196,15 +196,19 @@ class SchedulerLoop:
     def stats(self) -> dict:
         alloc = self.runner.allocator
         total = alloc.total_usable_pages * alloc.page_size
+        used_pages = (alloc.total_usable_pages - alloc.available_pages()
+                      - self.scheduler.kv.cache.evictable_pages())
         return {
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "kv_total_tokens": total,
-            "kv_used_tokens": total - alloc.available_tokens(),
-            "kv_used_pages": alloc.total_usable_pages - alloc.available_pages(),
+            # As in SGLang: pages the prefix cache could evict count as available.
+            "kv_used_tokens": used_pages * alloc.page_size,
+            "kv_used_pages": used_pages,
             "graph_replays": self.runner.graph_replays,
             "eager_fallbacks": dict(self.runner.fallback_counts),
             **self.scheduler.stats,
+            "prefix_cache": self.scheduler.cache_report(),
         }
 
     def call_server_info(self) -> dict:
@@ -214,10 +218,8 @@ class SchedulerLoop:
         return info
 
     def call_flush_cache(self) -> str:
-        n = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if n:
-            raise RuntimeError(f"{n} requests are in flight; flush when the server is idle")
-        return "Cache flushed (airserve keeps no prefix cache; every KV page is free)."
+        self.scheduler.flush_cache()
+        return "Cache flushed: the prefix cache is empty and every KV page is free."
 
 
 def configure_logging(level: str, who: str) -> None:

@@ -54,6 +54,7 @@ class ReqOutput:
     prompt_tokens: int
     finished_reason: dict | None
     e2e_latency: float
+    cached_tokens: int  # prompt tokens served from the prefix cache
     # Shared with the request state, which only appends to it: slice it, never mutate it.
     all_ids: list[int] = field(repr=False)
 
@@ -76,6 +77,7 @@ class _ReqState:
     finished_reason: dict | None = None
     error: RequestError | None = None
     last_token_time: float | None = None
+    cached_tokens: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     # One snapshot per scheduler message not yet yielded: a stream sends every step, even when
     # several arrive before the client's coroutine runs again.
@@ -84,7 +86,7 @@ class _ReqState:
     def snapshot(self) -> ReqOutput:
         return ReqOutput(self.rid, self.text, len(self.output_ids), self.prompt_tokens,
                          self.finished_reason, time.perf_counter() - self.created,
-                         self.output_ids)
+                         self.cached_tokens, self.output_ids)
 
 
 class TokenizerManager:
@@ -269,6 +271,7 @@ class TokenizerManager:
             if new_ids:
                 state.last_token_time = now
             state.output_ids.extend(new_ids)
+            state.cached_tokens = delta.cached_tokens
             state.text = state.text[:delta.text_offset] + delta.text
             if finished_reason is not None:
                 state.finished_reason = finished_reason

@@ -122,6 +122,25 @@ class PagedAllocator:
             raise RuntimeError(f"request slot {req_slot} claims the reserved dummy page")
         self._free_pages.extend(reversed(pages))
 
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Return the pages holding `slots`: consecutive positions of one request starting at a
+        page boundary (the last page may be partly used)."""
+        p = self.page_size
+        pages = (slots[::p] // p).tolist()
+        if DUMMY_PAGE in pages:
+            raise RuntimeError("freeing the reserved dummy page")
+        self._free_pages.extend(reversed(pages))
+
+    def row_slots(self, req_slot: int, start: int, end: int) -> torch.Tensor:
+        """KV slots of token positions [start, end) of request `req_slot`: [end - start] int64."""
+        return self.req_to_token[req_slot, start:end].to(torch.int64).cpu()
+
+    def assign(self, req_slot: int, slots: torch.Tensor) -> None:
+        """Point the first len(slots) positions of request `req_slot` at cached slots (pages
+        it shares, not owns)."""
+        row = self.req_to_token[req_slot]
+        row[:len(slots)] = slots.to(device=row.device, dtype=row.dtype)
+
     def block_table(self, req_slots: torch.Tensor, max_blocks: int) -> torch.Tensor:
         """[len(req_slots), max_blocks] int32 page ids: the block table of those requests."""
         p = self.page_size
