@@ -256,9 +256,12 @@ class Scheduler:
         """Sample a token for every row that finished its prompt or decoded; a row that read
         a prompt chunk only keeps its KV. Returns the requests that produced a token."""
         done_rows = []
+        running = set(map(id, self.running))
         for i, req in enumerate(batch.reqs):
             req.kv_len = batch.fb.seq_lens_cpu[i]
             req.already_computed = max(req.already_computed, req.kv_len)
+            if id(req) not in running:  # a prefill row: later prompts may share its prefix
+                self.kv.share_prefix(req)
             if req.kv_len == req.seq_len:
                 done_rows.append(i)
         reqs = [batch.reqs[i] for i in done_rows]
@@ -271,7 +274,6 @@ class Scheduler:
         next_ids = sample(logits, [r.sampling_params for r in reqs], [r.input_ids for r in reqs],
                           [r.output_ids for r in reqs], [r.generator for r in reqs], banned)
         now = time.perf_counter()
-        running = set(map(id, self.running))
         for req, token in zip(reqs, next_ids):
             req.output_ids.append(token)
             req.first_token_time = req.first_token_time or now
