@@ -227,3 +227,26 @@ def test_graph_runners_keep_replaying_and_mixed_steps_are_not_fallbacks(tiny_lla
     assert [r.output_ids for r in outs] == [r.output_ids for r in ref]
     assert sched.stats["mixed_steps"] > 0 and graph.graph_replays > 0
     assert dict(graph.fallback_counts) == {}
+
+
+def test_running_requests_share_their_prompt_before_finishing(engine):
+    """A prompt's pages enter the cache right after its prefill: a request arriving while the
+    first one still decodes reuses them (SGLang's behaviour for concurrent shared prompts)."""
+    waves = shared_prefix_prompts(engine.model_runner.model_config.vocab_size, seed=9)
+    sched = make_scheduler(engine, chunked_prefill_size=16)
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 30})
+    first = build_req(engine.tokenizer, waves[0][1], params)
+    sched.add_request(first)
+    while not first.output_ids:
+        sched.step()
+    second = build_req(engine.tokenizer, waves[0][2], params)
+    sched.add_request(second)
+    while not second.output_ids:
+        sched.step()
+        sched.kv.audit(sched.holders())
+    assert not first.finished
+    page = engine.model_runner.allocator.page_size
+    assert second.cached_tokens == 45 // page * page  # the shared system prompt
+    while sched.has_work():
+        sched.step()
+    sched.flush_cache()

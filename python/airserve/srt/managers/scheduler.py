@@ -264,10 +264,13 @@ class Scheduler:
         rows = list(range(len(batch.reqs))) if rows is None else rows
         seq_lens = batch.fb.seq_lens_cpu
         done, picked = [], []  # batch rows that produce a token; their rows in `logits`
+        running = set(map(id, self.running))
         for k, i in enumerate(rows):
             req = batch.reqs[i]
             req.kv_len = seq_lens[i]
             req.already_computed = max(req.already_computed, req.kv_len)
+            if id(req) not in running:  # a prefill row: later prompts may share its prefix
+                self.kv.share_prefix(req)
             if req.kv_len == req.seq_len:
                 done.append(i)
                 picked.append(k)
@@ -278,7 +281,6 @@ class Scheduler:
             logits = logits[picked]
         next_ids = isolation.sample_isolated(self, reqs, logits, [seq_lens[i] for i in done])
         now = time.perf_counter()
-        running = set(map(id, self.running))
         for i, req, token in zip(done, reqs, next_ids):
             if token is None:  # failed while sampling
                 continue

@@ -63,6 +63,26 @@ class KVManager:
     def pages_needed(self, req: Req, new_len: int) -> int:
         return self.allocator.pages_needed(req.kv_len, new_len)
 
+    def share_prefix(self, req: Req) -> None:
+        """Put `req`'s computed whole pages into the prefix cache while it runs (after each
+        prefill step), so requests arriving meanwhile reuse them. Its row then points at the
+        cached slots (its own duplicates are freed) and it locks the new deepest node."""
+        whole = req.kv_len - req.kv_len % self.page_size
+        if not self.cache.enabled or whole <= req.prefix_len:
+            return
+        tokens = req.fill_ids[:whole]
+        slots = self.allocator.row_slots(req.req_pool_idx, 0, whole)
+        cached_before = self.cache.insert(tokens, slots)
+        if cached_before > req.prefix_len:
+            self.allocator.free_slots(slots[req.prefix_len:cached_before])
+        match = self.cache.match_prefix(tokens, count=False)
+        assert match.length == whole
+        self.allocator.assign(req.req_pool_idx, match.slots)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.last_node = match.node
+        req.prefix_len = whole
+
     def release(self, req: Req, cache: bool = True) -> None:
         """End `req`'s hold on KV: its computed tokens go into the prefix cache (whole pages),
         duplicates of what the cache has and the partial last page are freed. With
