@@ -6,11 +6,19 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-DEVICES = ("cpu", "cuda", "npu")
+# Devices, compile and attention backends come from the runner and backend registries.
+from airserve.srt.layers.attention.registry import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    check_page_size,
+)
+from airserve.srt.model_executor.graph_runners.registry import (
+    COMPILE_BACKENDS,
+    DEFAULT_COMPILE_BACKEND,
+    DEVICES,
+)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_BACKENDS = ("inductor", "openvino", "torchair", "eager")
-# Default compile backend per device (DESIGN.md device table).
-DEFAULT_COMPILE_BACKEND = {"cpu": "inductor", "cuda": "inductor", "npu": "torchair"}
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -120,6 +128,10 @@ class ServerArgs:
             object.__setattr__(self, "cuda_graph_bs", tuple(sorted(set(self.cuda_graph_bs))))
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port}: must be in 1..65535")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        check_page_size(self.resolved_attention_backend, self.resolved_page_size)
 
     # Derived values.
     @property
@@ -132,7 +144,7 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "ascend" if self.device == "npu" else "torch_native"
+        return DEFAULT_ATTENTION_BACKEND[self.device]
 
     @property
     def resolved_compile_backend(self) -> str:
@@ -208,7 +220,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    g.add_argument("--attention-backend", choices=("torch_native", "ascend"),
+    g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS),
                    default=d.attention_backend)
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch intra-op threads on cpu")

@@ -98,7 +98,10 @@ openvino = pytest.importorskip("openvino", reason="pip install airserve[openvino
 
 @pytest.mark.parametrize("zero_point,dq", [(True, 0), (False, 0), (False, 32)])
 def test_openvino_compiles_block_layers_to_compressed_matmuls(zero_point, dq) -> None:
-    from airserve.srt.model_executor.openvino_compile import OpenVINOCompiler, compile_options
+    from airserve.srt.model_executor.graph_runners.openvino.compile import (
+        OpenVINOCompiler,
+        compile_options,
+    )
 
     model = two_layers()
     clone, _ = with_openvino_linears(model, zero_point=zero_point)
@@ -124,7 +127,7 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
     """What OpenVINORunner replays through: an infer request bound to the graph's input tensors
     (new values in the same tensors are seen without passing them again); a tensor that is not
     one of the compiled model's inputs is an error, not a silent copy."""
-    from airserve.srt.model_executor.openvino_compile import (
+    from airserve.srt.model_executor.graph_runners.openvino.compile import (
         OpenVINOCompiler,
         OpenVINOFallbackError,
         compile_options,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import load_hf
 
-from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.managers.req import Req
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.sampling.sampler import sample
 

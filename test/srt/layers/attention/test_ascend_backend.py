@@ -12,8 +12,8 @@ import pytest
 import torch
 from fia_reference import ReferenceAttentionOps
 
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
-from airserve.srt.model_executor.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
 

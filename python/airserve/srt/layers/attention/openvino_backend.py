@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.layers.attention.base import AttentionBackend
-from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass

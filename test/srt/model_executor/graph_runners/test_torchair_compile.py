@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 
-from airserve.srt.model_executor.torchair_compile import (
+from airserve.srt.hardware import import_torchair
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.torchair.compile import (
     build_compiler_config,
     check_not_eager,
     get_compile_backend,
-    import_torchair,
 )
 from airserve.srt.server_args import ServerArgs
 
@@ -68,8 +69,9 @@ def fake_compiler_config(modes=("max-autotune", "reduce-overhead")):
     )
 
 
-def npu_args(**kw) -> ServerArgs:
-    return ServerArgs(device="npu", enable_torch_compile=True, **kw)
+def npu_args(**kw) -> RunnerConfig:
+    return RunnerConfig.from_server_args(ServerArgs(device="npu", enable_torch_compile=True,
+                                                    **kw))
 
 
 # The mapping from flags to torchair options is ours; it is tested on a plain option tree with
@@ -124,7 +126,8 @@ def test_configs_that_run_eagerly_are_refused(path):
 
 
 def test_cpu_gets_inductor():
-    backend = get_compile_backend(ServerArgs(device="cpu", enable_torch_compile=True), 3)
+    backend = get_compile_backend(
+        RunnerConfig.from_server_args(ServerArgs(device="cpu", enable_torch_compile=True)), 3)
     assert backend.backend == "inductor" and backend.cache_compile is None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from decode_driver import Requests
 
-from airserve.srt.model_executor.graph_runner import GraphCaptureError
+from airserve.srt.model_executor.graph_runners.base import GraphCaptureError
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
 
@@ -23,8 +23,8 @@ except ImportError:
 
 from openvino.frontend.pytorch.torchdynamo import execute as ov_execute  # noqa: E402
 
-from airserve.srt.model_executor import openvino_runner  # noqa: E402
-from airserve.srt.model_executor.openvino_runner import (  # noqa: E402
+from airserve.srt.model_executor.graph_runners.openvino import runner as openvino_runner  # noqa: E402
+from airserve.srt.model_executor.graph_runners.openvino.runner import (  # noqa: E402
     POOL_READERS,
     OpenVINORunner,
     kv_len_buckets,

@@ -15,8 +15,8 @@ from decode_driver import Requests, make_runner, random_prompts, run_side_by_sid
 from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.attention import torch_native_backend
 from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
-from airserve.srt.model_executor.cpu_graph_runner import CPUGraphRunner
-from airserve.srt.model_executor.graph_runner import dynamo_graph_count
+from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
+from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
 
 # float32 on both sides; inductor fuses and reorders reductions, nothing else differs.
 ATOL = 1e-4
