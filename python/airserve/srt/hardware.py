@@ -266,20 +266,23 @@ def import_torchair():
         import torchair
 
         torchair.get_npu_backend  # noqa: B018 (loads the lazy module)
-    except (ImportError, AttributeError):
-        try:  # the copy inside torch_npu, for releases that do not alias it as `torchair`
-            from torch_npu.dynamo import torchair
+        return torchair
+    except (ImportError, AttributeError) as e:
+        error = e
+    try:  # the copy inside torch_npu, for releases that do not alias it as `torchair`
+        from torch_npu.dynamo import torchair
 
-            torchair.get_npu_backend  # noqa: B018
-        except (ImportError, AttributeError) as e:
-            version = getattr(torch_npu, "__version__", "?")
-            raise RuntimeError(
-                f"--enable-torch-compile on npu needs torchair, which ships inside torch-npu "
-                f"{version}, but it fails to load ({type(e).__name__}: {e}); torchair also "
-                "needs protobuf and packaging (pip install airserve[npu] installs them) and "
-                f"the GE libraries of CANN; install torch-npu=={_torch_version()}, or drop "
-                "--enable-torch-compile to use the NPU graph runner") from e
-    return torchair
+        torchair.get_npu_backend  # noqa: B018
+        return torchair
+    except (ImportError, AttributeError):
+        pass
+    version = getattr(torch_npu, "__version__", "?")
+    raise RuntimeError(
+        f"--enable-torch-compile on npu needs torchair, which ships inside torch-npu {version}, "
+        f"but it fails to load ({type(error).__name__}: {error}); torchair also needs protobuf "
+        "and packaging (pip install airserve[npu] installs them) and the GE libraries of CANN; "
+        f"install torch-npu=={_torch_version()}, or drop --enable-torch-compile to use the NPU "
+        "graph runner") from error
 
 
 def require_openvino():

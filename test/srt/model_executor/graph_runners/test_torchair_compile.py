@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import types
 
 import pytest
 import torch
@@ -163,3 +164,38 @@ def test_torch_npu_that_fails_to_load(monkeypatch, error, what):
     with pytest.raises(RuntimeError) as err:
         import_torchair()
     assert what in str(err.value) and "set_env.sh" in str(err.value)
+
+
+class LazyTorchair(types.ModuleType):
+    """A torchair whose import succeeds and whose first attribute fails, as torch-npu's lazy
+    module does when protobuf is missing."""
+
+    def __getattr__(self, name):
+        raise ImportError("No module named 'google.protobuf'")
+
+
+def fake_torch_npu(monkeypatch, dynamo_torchair=None) -> None:
+    npu = types.ModuleType("torch_npu")
+    npu.__version__ = f"{TORCH_VERSION}.post1"
+    dynamo = types.ModuleType("torch_npu.dynamo")
+    if dynamo_torchair is not None:
+        dynamo.torchair = dynamo_torchair
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.dynamo", dynamo)
+    monkeypatch.setitem(sys.modules, "torchair", LazyTorchair("torchair"))
+
+
+def test_broken_lazy_torchair_fails_at_import_naming_protobuf(monkeypatch):
+    fake_torch_npu(monkeypatch)
+    with pytest.raises(RuntimeError) as err:
+        import_torchair()
+    msg = str(err.value)
+    assert "google.protobuf" in msg and "airserve[npu]" in msg
+    assert "--enable-torch-compile" in msg
+
+
+def test_torchair_inside_torch_npu_is_the_fallback(monkeypatch):
+    working = types.ModuleType("torch_npu.dynamo.torchair")
+    working.get_npu_backend = lambda **kw: "backend"
+    fake_torch_npu(monkeypatch, dynamo_torchair=working)
+    assert import_torchair() is working
