@@ -14,13 +14,20 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from decode_driver import Requests
 from gguf import GGMLQuantizationType as T
-from tiny_gguf import MERGES, PACKED_TYPES, SPECIAL, dims, tiny_vocab, write_tiny_gguf
 
 from airserve.srt.model_loader.gguf_dequant import GGML_TYPES, dequantize
 from airserve.srt.model_loader.gguf_loader import load_gguf
 from airserve.srt.model_loader.gguf_tokenizer import build_pre_tokenizer, build_tokenizer
+from airserve_testing.decode_driver import Requests
+from airserve_testing.tiny_gguf import (
+    MERGES,
+    PACKED_TYPES,
+    SPECIAL,
+    dims,
+    tiny_vocab,
+    write_tiny_gguf,
+)
 
 # Byte offsets of the fp16 scales inside one block, so random blocks get finite scales.
 _F16_OFFSETS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [208]}

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fia_reference import ReferenceAttentionOps
 
 from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing.fia_reference import ReferenceAttentionOps
 
 ATOL = 1e-4
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from decode_driver import make_runner
 
 from airserve.srt.model_executor.graph_runners.base import GraphCaptureError
 from airserve.srt.model_executor.graph_runners.torchair.cache import (
@@ -20,6 +19,7 @@ from airserve.srt.model_executor.graph_runners.torchair.cache import (
 )
 from airserve.srt.model_executor.graph_runners.torchair.compile import CompileBackend
 from airserve.srt.model_executor.graph_runners.torchair.runner import TorchAirRunner
+from airserve_testing.decode_driver import make_runner
 
 KEY = CompileCacheKey(
     bucket=4, kv_shape=(2048, 2, 16), kv_dtype="torch.bfloat16", num_layers=2, page_size=128,

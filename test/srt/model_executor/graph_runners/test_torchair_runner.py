@@ -15,8 +15,6 @@ import sys
 
 import pytest
 import torch
-from decode_driver import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
-from fia_reference import ReferenceAttentionOps
 
 from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
 from airserve.srt.model_executor.graph_runners.torchair.runner import (
@@ -25,6 +23,14 @@ from airserve.srt.model_executor.graph_runners.torchair.runner import (
 )
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing.decode_driver import (
+    Requests,
+    make_runner,
+    random_prompts,
+    run_side_by_side,
+    zero_kv,
+)
+from airserve_testing.fia_reference import ReferenceAttentionOps
 
 ATOL = 1e-4
 PROMPT_LENGTHS = [5, 23, 40, 17]

@@ -1,7 +1,6 @@
 """Start `python -m airserve.launch_server` in a subprocess on a free loopback port.
 
-Shared by the end-to-end tests (test/srt/entrypoints, test/bench); test/conftest.py puts this
-directory on sys.path.
+Shared by the end-to-end tests (test/srt/entrypoints, test/bench).
 """
 
 from __future__ import annotations
