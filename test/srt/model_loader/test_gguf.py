@@ -282,7 +282,7 @@ def test_default_model_tokenizer(smollm, smollm_dir) -> None:
     assert tok.encode(tok.decode(ids, skip_special_tokens=False)).ids == ids
 
     # transformers' GGUF conversion has no rule for pre "smollm": its pre-tokenizer is the plain
-    # GPT-2 ByteLevel regex, which does NOT split digits (the pitfall in DESIGN.md). SmolLM2's
+    # GPT-2 ByteLevel regex, which does NOT split digits (docs/design.md). SmolLM2's
     # vocabulary has no merge containing an ASCII digit, so ASCII numbers still agree, but other
     # numerals after a space differ ("x² + y³ = ½": transformers gives "Ġ½", the model's own
     # tokenizer and llama.cpp give "Ġ", "½"). So compare only on text without numerals.

@@ -1,6 +1,6 @@
 """SGLang's native `/generate`: request parsing and response shapes.
 
-Accepts what SGLang's clients send (DESIGN.md, "What SGLang's own clients expect"): `text` or
+Accepts what SGLang's clients send (docs/design.md, "What SGLang's own clients send"): `text` or
 `input_ids`, one or a list, `sampling_params` (one dict or one per prompt), `stream`, `rid`;
 unknown or null top-level fields are ignored. Streaming sends `data: <json>` events whose
 `text` and `meta_info.completion_tokens` are cumulative, then `data: [DONE]`.

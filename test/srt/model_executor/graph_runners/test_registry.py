@@ -1,4 +1,4 @@
-"""The device table (DESIGN.md) and the errors for a requested device that is absent."""
+"""The device table (docs/design.md) and the errors for a requested device that is absent."""
 
 from __future__ import annotations
 
