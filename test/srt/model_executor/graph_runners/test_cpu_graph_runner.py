@@ -16,13 +16,7 @@ from airserve.srt.layers.attention import torch_native_backend
 from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
 from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
 from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
-from airserve_testing.decode_driver import (
-    Requests,
-    make_runner,
-    random_prompts,
-    run_side_by_side,
-    zero_kv,
-)
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
 
 # float32 on both sides; inductor fuses and reorders reductions, nothing else differs.
 ATOL = 1e-4

@@ -23,13 +23,7 @@ from airserve.srt.model_executor.graph_runners.torchair.runner import (
 )
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
-from airserve_testing.decode_driver import (
-    Requests,
-    make_runner,
-    random_prompts,
-    run_side_by_side,
-    zero_kv,
-)
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
 from airserve_testing.fia_reference import ReferenceAttentionOps
 
 ATOL = 1e-4

@@ -1,5 +1,7 @@
 """What a graph runner is told: a small frozen config built once from ServerArgs.
 
+Defaults and validation stay in ServerArgs; every field here is filled by `from_server_args`.
+
 Runners read this, never `ServerArgs`: a runner's inputs are this config and the model runner's
 model, attention backend and KV cache. A new runner option is a field here and one line in
 `from_server_args`.
@@ -16,29 +18,29 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    device: str = "cpu"
-    enable_torch_compile: bool = False
-    compile_backend: str = "inductor"  # resolved per device; "none" is never stored here
-    disable_cuda_graph: bool = False
-    padding: bool = True  # False: a batch replays only in a bucket of exactly its size
+    device: str
+    enable_torch_compile: bool
+    compile_backend: str  # resolved per device
+    disable_cuda_graph: bool
+    padding: bool  # False: a batch replays only in a bucket of exactly its size
     # Buckets: explicit sizes, or a schedule up to a max (compiled runners use the compile max).
-    cuda_graph_bs: tuple[int, ...] | None = None
-    cuda_graph_max_bs: int | None = None
-    torch_compile_max_bs: int = 32
-    compile_cache_dir: str | None = None  # inductor's on-disk cache
-    model_path: str = "default"  # part of TorchAirRunner's compile-cache key
+    cuda_graph_bs: tuple[int, ...] | None
+    cuda_graph_max_bs: int | None
+    torch_compile_max_bs: int
+    compile_cache_dir: str | None  # inductor's on-disk cache
+    model_path: str  # part of TorchAirRunner's compile-cache key
     # TorchAirRunner.
-    torchair_mode: str = "max-autotune"
-    torchair_cache_dir: str | None = None
-    torchair_frozen_parameter: bool = True
-    torchair_tiling_schedule_optimize: bool = False
+    torchair_mode: str
+    torchair_cache_dir: str | None
+    torchair_frozen_parameter: bool
+    torchair_tiling_schedule_optimize: bool
     # OpenVINORunner.
-    openvino_device: str = "CPU"
-    openvino_precision: str = "f32"
-    openvino_cache_dir: str | None = None
-    openvino_num_threads: int | None = None  # falls back to --num-threads
-    openvino_weights: str = "packed"
-    openvino_dynamic_quant_group_size: int = 0
+    openvino_device: str
+    openvino_precision: str
+    openvino_cache_dir: str | None
+    openvino_num_threads: int | None  # --openvino-num-threads, else --num-threads
+    openvino_weights: str
+    openvino_dynamic_quant_group_size: int
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> RunnerConfig:

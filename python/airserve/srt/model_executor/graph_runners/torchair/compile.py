@@ -91,7 +91,7 @@ def _cache_compile(torchair, cfg, method: Callable, cache_dir: str) -> Callable:
     # cache_compile(func, *, config, dynamic, cache_dir, ...) takes a bound nn.Module method
     # and keys its cache by the module's repr, the config and the method's __name__ only
     # (inference/_cache_compiler.py `CompiledModel.get_cache_bin`): the runner gives each bucket
-    # its own renamed method and directory, and its own key covers the rest (torchair_cache).
+    # its own renamed method and directory, and its own key covers the rest (torchair/cache.py).
     return torchair.inference.cache_compile(method, config=cfg, dynamic=True,
                                             cache_dir=cache_dir)
 
