@@ -127,7 +127,7 @@ class GraphRunner(ABC):
 
     Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
     StaticDecodeInputs). Built from the model runner's model, attention backend and KV cache
-    and its `RunnerConfig`; the device module is whatever the runner's hooks call.
+    and its `RunnerConfig`; never from `ServerArgs`.
     """
 
     compile_runner = False  # buckets go up to --torch-compile-max-bs, not --cuda-graph-max-bs
