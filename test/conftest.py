@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from tiny_models import make_tiny_model_dir  # noqa: E402
+from airserve_testing.tiny_models import make_tiny_model_dir
 
 
 @pytest.fixture(scope="session")

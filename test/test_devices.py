@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from airserve import devices
+from airserve.srt import hardware
 
 
 def by_name(entries: list[dict]) -> dict[str, dict]:
@@ -17,7 +17,7 @@ def by_name(entries: list[dict]) -> dict[str, dict]:
 
 
 def test_discover_is_json_and_lists_every_known_device():
-    info = devices.discover()
+    info = hardware.discover()
     assert json.loads(json.dumps(info)) == info
     torch_devices = by_name(info["torch"]["devices"])
     assert set(torch_devices) == {"cpu", "cuda", "xpu", "npu"}
@@ -38,7 +38,7 @@ def test_cpu_only_torch_says_why_cuda_is_missing():
 
     if torch.version.cuda is not None:
         pytest.skip("this torch has CUDA")
-    cuda = by_name(devices.discover()["torch"]["devices"])["cuda"]
+    cuda = by_name(hardware.discover()["torch"]["devices"])["cuda"]
     assert not cuda["available"] and "built without CUDA" in cuda["reason"]
 
 
@@ -55,10 +55,10 @@ def test_cli_prints_the_table_and_json():
 def test_npu_device_never_imports_torch_npu_here():
     """torch-npu without CANN breaks the process that imports it: only a child may import it.
     torch-npu is not installed here, which the entry must say."""
-    npu = devices._npu_device()
+    npu = hardware._npu_device()
     assert "torch_npu" not in sys.modules
     assert npu["name"] == "npu"
-    if devices.importlib.util.find_spec("torch_npu") is None:
+    if hardware.importlib.util.find_spec("torch_npu") is None:
         assert not npu["available"] and "not installed" in npu["reason"]
 
 
@@ -70,7 +70,7 @@ WRONG_TORCH = ("ImportError: /usr/local/lib/python3.11/site-packages/torch_npu/l
 
 
 def test_npu_reason_for_missing_cann_says_to_source_set_env():
-    reason = devices._npu_reason(MISSING_CANN)
+    reason = hardware._npu_reason(MISSING_CANN)
     assert "CANN" in reason and "set_env.sh" in reason
     assert "libhccl.so: cannot open shared object file" in reason
     assert "Traceback" not in reason  # only the error line
@@ -79,22 +79,22 @@ def test_npu_reason_for_missing_cann_says_to_source_set_env():
 def test_npu_reason_for_another_torch_names_the_matching_torch_npu():
     import torch
 
-    reason = devices._npu_reason(WRONG_TORCH)
+    reason = hardware._npu_reason(WRONG_TORCH)
     assert "another torch version" in reason and "undefined symbol" in reason
     assert f"torch-npu=={torch.__version__.split('+')[0]}" in reason
 
 
 def test_npu_reason_without_error_text_still_says_how_to_fix():
-    reason = devices._npu_reason("")
+    reason = hardware._npu_reason("")
     assert "torch_npu failed to import" in reason and "set_env.sh" in reason
 
 
 def test_without_openvino_discovery_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "openvino", None)
-    ov = devices.discover()["openvino"]
+    ov = hardware.discover()["openvino"]
     assert not ov["installed"] and "pip install openvino==2026.4.1" in ov["reason"]
     with pytest.raises(RuntimeError, match=r"pip install openvino==2026\.4\.1"):
-        devices.check_openvino_device("CPU")
+        hardware.check_openvino_device("CPU")
 
 
 try:
@@ -108,15 +108,15 @@ needs_openvino = pytest.mark.skipif(openvino is None, reason="openvino is not in
 
 @needs_openvino
 def test_check_openvino_device_accepts_listed_devices():
-    assert devices.check_openvino_device("CPU") == "CPU"
-    assert devices.check_openvino_device("cpu") == "CPU"
+    assert hardware.check_openvino_device("CPU") == "CPU"
+    assert hardware.check_openvino_device("cpu") == "CPU"
 
 
 @needs_openvino
 @pytest.mark.skipif(any(d.startswith("GPU") for d in AVAILABLE), reason="has an Intel GPU")
 def test_absent_gpu_names_the_missing_driver_and_lists_devices():
     with pytest.raises(RuntimeError) as e:
-        devices.check_openvino_device("GPU.7")
+        hardware.check_openvino_device("GPU.7")
     msg = str(e.value)
     assert "--openvino-device GPU.7 is not available" in msg
     assert "OpenVINO devices here: CPU (" in msg
@@ -127,10 +127,10 @@ def test_absent_gpu_names_the_missing_driver_and_lists_devices():
 @pytest.mark.skipif(any(d.startswith("NPU") for d in AVAILABLE), reason="has an Intel NPU")
 def test_absent_npu_names_the_missing_driver():
     with pytest.raises(RuntimeError, match="linux-npu-driver|Level Zero|/dev/accel"):
-        devices.check_openvino_device("NPU")
+        hardware.check_openvino_device("NPU")
 
 
 @needs_openvino
 def test_virtual_devices_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="AUTO is a virtual device"):
-        devices.check_openvino_device("AUTO")
+        hardware.check_openvino_device("AUTO")

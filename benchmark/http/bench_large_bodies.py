@@ -26,8 +26,8 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "test"))
 
-from server_utils import ServerProcess  # noqa: E402
-from tiny_models import make_tiny_model_dir  # noqa: E402
+from airserve_testing.server_utils import ServerProcess  # noqa: E402
+from airserve_testing.tiny_models import make_tiny_model_dir  # noqa: E402
 
 
 def body(kind: str, size: int) -> bytes:

@@ -60,7 +60,8 @@ def unavailable_reason(mode: str) -> str | None:
     """Why `mode` cannot run on this install, or None."""
     if mode != "openvino":
         return None
-    if importlib.util.find_spec("airserve.srt.model_executor.openvino_runner") is None:
+    runner_module = "airserve.srt.model_executor.graph_runners.openvino.runner"
+    if importlib.util.find_spec(runner_module) is None:
         return "the OpenVINO runner is not part of this airserve build"
     try:
         import openvino  # noqa: F401

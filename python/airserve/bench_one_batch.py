@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
 

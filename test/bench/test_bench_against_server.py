@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import ServerProcess
 
 from airserve import bench_serving
 from airserve.test import few_shot_gsm8k
+from airserve_testing.server_utils import ServerProcess
 
 pytestmark = pytest.mark.slow
 

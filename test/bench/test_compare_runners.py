@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from server_utils import free_port
+
+from airserve_testing.server_utils import free_port
 
 RUNNERS_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "runners"
 sys.path.insert(0, str(RUNNERS_DIR))

@@ -6,11 +6,19 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-DEVICES = ("cpu", "cuda", "npu")
+# Devices, compile and attention backends come from the runner and backend registries.
+from airserve.srt.layers.attention.registry import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    check_page_size,
+)
+from airserve.srt.model_executor.graph_runners.registry import (
+    COMPILE_BACKENDS,
+    DEFAULT_COMPILE_BACKEND,
+    DEVICES,
+)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_BACKENDS = ("inductor", "openvino", "torchair", "eager")
-# Default compile backend per device (DESIGN.md device table).
-DEFAULT_COMPILE_BACKEND = {"cpu": "inductor", "cuda": "inductor", "npu": "torchair"}
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -154,6 +162,10 @@ class ServerArgs:
             raise ValueError(f"max_request_body_bytes={self.max_request_body_bytes}: must be >= 1")
         if self.allowed_hosts is not None:
             object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        check_page_size(self.resolved_attention_backend, self.resolved_page_size)
 
     # Derived values.
     @property
@@ -174,7 +186,7 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "ascend" if self.device == "npu" else "torch_native"
+        return DEFAULT_ATTENTION_BACKEND[self.device]
 
     @property
     def resolved_compile_backend(self) -> str:
@@ -259,7 +271,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_CPU_CHUNK} on cpu)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="decode the running requests in the same forward as a prefill chunk")
-    g.add_argument("--attention-backend", choices=("torch_native", "ascend"),
+    g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS),
                    default=d.attention_backend)
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch intra-op threads on cpu")

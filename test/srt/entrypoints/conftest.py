@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from server_utils import ServerProcess
+
+from airserve_testing.server_utils import ServerProcess
 
 # Enough KV for 32 requests at the tiny model's full context (512).
 SERVER_ARGS = ("--enable-metrics", "--max-total-tokens", "16384", "--max-running-requests", "32")

@@ -13,10 +13,10 @@ import time
 import httpx
 import psutil
 import pytest
-from server_utils import ServerProcess
 
 from airserve.srt.managers.validation import NATIVE_NOT_IMPLEMENTED, OPENAI_NOT_IMPLEMENTED
 from airserve.srt.sampling.sampling_params import NOT_IMPLEMENTED
+from airserve_testing.server_utils import ServerProcess
 
 GEN, C, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

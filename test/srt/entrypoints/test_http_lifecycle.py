@@ -11,7 +11,8 @@ import time
 import httpx
 import psutil
 import pytest
-from server_utils import ServerProcess
+
+from airserve_testing.server_utils import ServerProcess
 
 LONG = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
 

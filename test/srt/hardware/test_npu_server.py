@@ -19,13 +19,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+
+from airserve_testing.server_utils import free_port, wait_healthy
 
 GREEDY_PREFIX = 16
 MATCH_FRACTION = 0.75
@@ -66,12 +67,6 @@ pytestmark = [pytest.mark.npu, pytest.mark.slow,
               pytest.mark.skipif(not npu_available(), reason="needs an Ascend NPU with CANN")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, flags: list[str]) -> None:
         self.port = free_port()
@@ -82,19 +77,12 @@ class Server:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 1800.0) -> None:  # torchair compiles every bucket
-        import httpx
+        def tail() -> str:
+            with open(self.log.name) as f:
+                return f.read()[-4000:]
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{open(self.log.name).read()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(open(self.log.name).read()[-4000:])
+        if not wait_healthy(self.proc, self.url, timeout, tail, poll_s=1.0):
+            raise TimeoutError(tail())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_gguf import random_packed
 
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
 from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, packed_linear
+from airserve_testing.tiny_gguf import random_packed
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_gguf import random_packed
 from torch import nn
 
 from airserve.srt.layers.linear import Linear
@@ -20,6 +19,7 @@ from airserve.srt.layers.quant.openvino_linear import (
     u4_pairs,
     with_openvino_linears,
 )
+from airserve_testing.tiny_gguf import random_packed
 
 
 def reference(x: torch.Tensor, packed: PackedWeight, bias) -> torch.Tensor:
@@ -98,7 +98,10 @@ openvino = pytest.importorskip("openvino", reason="pip install airserve[openvino
 
 @pytest.mark.parametrize("zero_point,dq", [(True, 0), (False, 0), (False, 32)])
 def test_openvino_compiles_block_layers_to_compressed_matmuls(zero_point, dq) -> None:
-    from airserve.srt.model_executor.openvino_compile import OpenVINOCompiler, compile_options
+    from airserve.srt.model_executor.graph_runners.openvino.compile import (
+        OpenVINOCompiler,
+        compile_options,
+    )
 
     model = two_layers()
     clone, _ = with_openvino_linears(model, zero_point=zero_point)
@@ -124,7 +127,7 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
     """What OpenVINORunner replays through: an infer request bound to the graph's input tensors
     (new values in the same tensors are seen without passing them again); a tensor that is not
     one of the compiled model's inputs is an error, not a silent copy."""
-    from airserve.srt.model_executor.openvino_compile import (
+    from airserve.srt.model_executor.graph_runners.openvino.compile import (
         OpenVINOCompiler,
         OpenVINOFallbackError,
         compile_options,
@@ -151,10 +154,9 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
 def test_projections_of_one_kind_merge_into_one_layer(bias) -> None:
     """q/k/v and gate/up with blocks of one kind become one OpenVINOLinear each (columns in
     the order the model splits them); a block of another kind keeps its layers separate."""
-    from tiny_models import tiny_config
-
     from airserve.srt.configs import ModelConfig
     from airserve.srt.models.llama import MLP, Attention
+    from airserve_testing.tiny_models import tiny_config
 
     cfg = ModelConfig.from_hf_dict(dict(tiny_config("llama", 64), attention_bias=bias))
     attn, mlp = Attention(cfg, 0), MLP(cfg)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import load_hf
 
 from airserve import Engine
 from airserve.srt.tokenizer import IncrementalDecoder, load_hf_tokenizer
+from airserve_testing.tiny_models import load_hf
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 

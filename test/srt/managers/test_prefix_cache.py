@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from airserve import Engine
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.managers.engine_core import build_req, eos_token_ids
 from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
-from airserve.srt.model_executor.forward_batch import ForwardMode
 from airserve.srt.sampling.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -208,9 +208,8 @@ def test_graph_runners_keep_replaying_and_mixed_steps_are_not_fallbacks(tiny_lla
     """Decode-only steps replay the compiled graphs (CPUGraphRunner, OpenVINORunner); mixed
     steps run eager without counting as eager fallbacks; greedy outputs equal eager without
     the cache."""
-    from decode_driver import make_runner
-
     from airserve.srt.tokenizer import get_tokenizer
+    from airserve_testing.decode_driver import make_runner
 
     if backend == "openvino":
         pytest.importorskip("openvino", reason="openvino is not installed")

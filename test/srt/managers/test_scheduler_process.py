@@ -4,7 +4,8 @@ fit it refused up front, and extreme sampling values that once killed it."""
 from __future__ import annotations
 
 import pytest
-from server_utils import ServerProcess
+
+from airserve_testing.server_utils import ServerProcess
 
 POOL = 256  # tokens; the tiny model's context is 512, so the pool is the tighter limit
 

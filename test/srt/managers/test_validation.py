@@ -8,7 +8,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import build_tokenizer
 
 from airserve.srt.managers.validation import (
     FieldError,
@@ -22,6 +21,7 @@ from airserve.srt.managers.validation import (
 )
 from airserve.srt.sampling.sampling_params import NOT_IMPLEMENTED, RULES
 from airserve.srt.tokenizer import Tokenizer
+from airserve_testing.tiny_models import build_tokenizer
 
 LIMITS = RequestLimits(vocab_size=300, context_length=512, max_prompt_chars=1000)
 INTS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "stream_interval")

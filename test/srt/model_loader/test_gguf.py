@@ -14,13 +14,20 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from decode_driver import Requests
 from gguf import GGMLQuantizationType as T
-from tiny_gguf import MERGES, PACKED_TYPES, SPECIAL, dims, tiny_vocab, write_tiny_gguf
 
 from airserve.srt.model_loader.gguf_dequant import GGML_TYPES, dequantize
 from airserve.srt.model_loader.gguf_loader import load_gguf
 from airserve.srt.model_loader.gguf_tokenizer import build_pre_tokenizer, build_tokenizer
+from airserve_testing.decode_driver import Requests
+from airserve_testing.tiny_gguf import (
+    MERGES,
+    PACKED_TYPES,
+    SPECIAL,
+    dims,
+    tiny_vocab,
+    write_tiny_gguf,
+)
 
 # Byte offsets of the fp16 scales inside one block, so random blocks get finite scales.
 _F16_OFFSETS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [208]}
@@ -275,7 +282,7 @@ def test_default_model_tokenizer(smollm, smollm_dir) -> None:
     assert tok.encode(tok.decode(ids, skip_special_tokens=False)).ids == ids
 
     # transformers' GGUF conversion has no rule for pre "smollm": its pre-tokenizer is the plain
-    # GPT-2 ByteLevel regex, which does NOT split digits (the pitfall in DESIGN.md). SmolLM2's
+    # GPT-2 ByteLevel regex, which does NOT split digits (docs/design.md). SmolLM2's
     # vocabulary has no merge containing an ASCII digit, so ASCII numbers still agree, but other
     # numerals after a space differ ("x² + y³ = ½": transformers gives "Ġ½", the model's own
     # tokenizer and llama.cpp give "Ġ", "½"). So compare only on text without numerals.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import load_hf
 
-from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing.tiny_models import load_hf
 
 # float32 on both sides; differences come only from summation order.
 ATOL = 2e-4

@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airserve import __version__
-from airserve.devices import discover
 from airserve.srt.entrypoints import native_api
 from airserve.srt.entrypoints.http_guard import RequestGuard, allowed_hosts
 from airserve.srt.entrypoints.http_utils import ClientDisconnected, error_response
 from airserve.srt.entrypoints.openai_api import OpenAIServing
+from airserve.srt.hardware import discover
 from airserve.srt.managers.tokenizer_manager import RequestError, TokenizerManager
 from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.server_args import ServerArgs
@@ -52,7 +52,7 @@ def model_names(args: ServerArgs, resolved_path: str) -> tuple[str, ...]:
 
 def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
                devices: dict | None = None) -> FastAPI:
-    """The routes. `devices`: `airserve.devices.discover()`, found once at start-up and served
+    """The routes. `devices`: `airserve.srt.hardware.discover()`, found once at start-up and served
     in /get_server_info."""
     app = FastAPI(title="airserve", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)

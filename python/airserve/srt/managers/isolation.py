@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardBatch
+from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.sampling.sampler import sample
 
 if TYPE_CHECKING:

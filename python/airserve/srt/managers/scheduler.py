@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.managers import isolation
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from airserve.srt.mem_cache.kv_manager import KVManager
 from airserve.srt.mem_cache.radix_cache import NoPrefixCache, RadixCache
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,16 @@ from collections.abc import Sequence
 import torch
 
 from airserve.srt.configs import ModelConfig
-from airserve.srt.layers.attention.base import AttentionBackend
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.hardware import check_device
+from airserve.srt.layers.attention.registry import create_attention_backend
 from airserve.srt.mem_cache.memory_pool import (
     PagedAllocator,
     ReqToTokenPool,
     TokenToKVPool,
 )
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.registry import create_graph_runner
 from airserve.srt.model_loader.loader import load_model
 from airserve.srt.server_args import ServerArgs
 
@@ -30,27 +33,13 @@ DEFAULT_MAX_RUNNING_REQUESTS = {"cpu": 32, "cuda": 128, "npu": 128}
 DEFAULT_KV_TOKENS_PER_REQUEST = 512
 
 
-def create_attention_backend(name: str, allocator: PagedAllocator,
-                             context_len: int) -> AttentionBackend:
-    if name == "torch_native":
-        from airserve.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-        return TorchNativeAttnBackend(allocator, context_len)
-    if name == "ascend":
-        from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
-
-        return AscendAttnBackend(allocator, context_len)
-    raise ValueError(f"--attention-backend {name!r} is unknown; use torch_native or ascend")
-
-
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None,
                  model: torch.nn.Module | None = None) -> None:
         self.server_args = args = server_args
         self.device = args.device
-        from airserve.srt.model_executor.runner_selection import check_device
-
-        check_device(args)
+        self.runner_config = RunnerConfig.from_server_args(args)  # all a graph runner reads
+        check_device(args.device)
         if args.num_threads is not None and self.device == "cpu":
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.random_seed)
@@ -71,9 +60,6 @@ class ModelRunner:
         self._init_memory()
         self.attn_backend = create_attention_backend(
             args.resolved_attention_backend, self.allocator, self.context_len)
-        self.graph_runner = None
-        from airserve.srt.model_executor.runner_selection import create_graph_runner
-
         logger.info("preparing the decode graph runner (compiles and captures graphs when one "
                     "is selected; minutes on first use)")
         self.graph_runner = create_graph_runner(self)

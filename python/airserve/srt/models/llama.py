@@ -14,8 +14,8 @@ from airserve.srt.configs import ModelConfig
 from airserve.srt.layers.linear import Linear
 
 if TYPE_CHECKING:
+    from airserve.srt.forward_batch import ForwardBatch
     from airserve.srt.layers.quant.block_matvec import PackedWeight
-    from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fia_reference import ReferenceAttentionOps
 
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
-from airserve.srt.model_executor.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing.fia_reference import ReferenceAttentionOps
 
 ATOL = 1e-4
 
@@ -78,3 +78,15 @@ def test_eager_decode_matches_torch_native(tiny_llama_dir):
 def test_page_size_must_suit_fia(tiny_llama_dir, page_size):
     with pytest.raises(ValueError, match="multiple of 16"):
         runner(tiny_llama_dir, page_size=page_size, ops=ReferenceAttentionOps())
+
+
+@pytest.mark.parametrize("page_size, ok", [(16, True), (128, True), (512, True), (24, False),
+                                           (528, False), (1024, False)])
+def test_fia_page_size_bounds_are_checked_at_start_up(page_size, ok):
+    # Before any model is loaded: ServerArgs itself refuses what FIA cannot run.
+    if ok:
+        ServerArgs(device="npu", page_size=page_size)
+        return
+    with pytest.raises(ValueError, match=f"--page-size {page_size}.*multiple of 16 no larger "
+                                         "than 512"):
+        ServerArgs(device="npu", page_size=page_size)

@@ -6,8 +6,9 @@ page-attention case with one query token per request:
 - `block_table` int32, 2-D: [B, >= blocks of the longest sequence]; our tables are always
   [B, ceil(context_len / page_size)].
 - with query layout BSH or BSND the cache must be laid out (num_blocks, block_size, H) with
-  H = kv_heads * head_dim, and `block_size` must be a multiple of 16 for fp16/bf16 (128
-  recommended). The pool's [num_slots, kv_heads, head_dim] buffer, viewed as
+  H = kv_heads * head_dim, and `block_size` must be a multiple of 16 for fp16/bf16 and at most
+  512 (128 recommended): checked at start-up (registry.PAGE_SIZE_LIMITS). The pool's
+  [num_slots, kv_heads, head_dim] buffer, viewed as
   [num_pages, page_size, kv_heads * head_dim], is exactly that: a view, never a copy.
 - `actual_seq_lengths_kv` is a host int list (schema `SymInt[]?`); the kernel's tiling reads it,
   which is why graph runners refresh it every step (padded rows: 1, reading the dummy page).
@@ -26,21 +27,21 @@ import logging
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.layers.attention.registry import check_page_size
 from airserve.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from airserve.srt.mem_cache.memory_pool import PagedAllocator
-from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
 FIA_DTYPES = (torch.float16, torch.bfloat16)
-FIA_BLOCK_ALIGN = 16
 
 
 class NpuAttentionOps:
     """The two torch_npu kernels the backend uses, imported on first use."""
 
     def __init__(self) -> None:
-        from airserve.srt.model_executor.runner_selection import import_torch_npu
+        from airserve.srt.hardware import import_torch_npu
 
         self.torch_npu = import_torch_npu()
 
@@ -77,9 +78,7 @@ class AscendAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, allocator: PagedAllocator, max_context_len: int, ops=None) -> None:
         super().__init__(allocator, max_context_len)
-        if self.page_size % FIA_BLOCK_ALIGN:
-            raise ValueError(f"--page-size {self.page_size}: FIA's page attention needs a "
-                             f"multiple of {FIA_BLOCK_ALIGN} (128 is the default on npu)")
+        check_page_size("ascend", self.page_size)
         self.ops = NpuAttentionOps() if ops is None else ops
         logger.info("ascend attention: decode with FIA (block size %d, block table width %d); "
                     "prefill with gather + SDPA", self.page_size, self.max_blocks)

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.mem_cache.memory_pool import DUMMY_PAGE, PagedAllocator
-from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

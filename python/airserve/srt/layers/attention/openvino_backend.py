@@ -1,9 +1,10 @@
 """Paged decode attention in plain torch ops that OpenVINO converts, for `OpenVINORunner`.
 
-The OpenVINO graph must not write the KV cache: in-place writes inside it are lost (DESIGN.md,
-"OpenVINO facts"). So decode attention here reads only the cached tokens, through the block
-table, and attends to the new token's K/V separately; it hands the new K/V back through the
-metadata, the graph returns them, and the runner writes them into the cache after the call.
+The OpenVINO graph must not write the KV cache: in-place writes inside it are lost
+(docs/design.md, "Facts the code relies on"). So decode attention here reads only the cached
+tokens, through the block table, and attends to the new token's K/V separately; it hands the
+new K/V back through the metadata, the graph returns them, and the runner writes them into the
+cache after the call.
 
 The block table has a fixed width per graph (a KV-length bucket, not the full context), so a
 step gathers `bs * kv_len` tokens per layer, whatever the pool size or context length. Two
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.layers.attention.base import AttentionBackend
-from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass

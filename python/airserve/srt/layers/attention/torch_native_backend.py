@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.layers.attention.base import AttentionBackend
-from airserve.srt.model_executor.forward_batch import ForwardBatch
 
 # A plain Library op, not `torch.library.custom_op`: the latter's Python dispatch layers cost
 # ~60 us a call here (measured, inference mode, 2 threads), once per layer per decode step.

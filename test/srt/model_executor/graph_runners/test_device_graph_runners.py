@@ -12,10 +12,10 @@ import types
 
 import pytest
 import torch
-from decode_driver import Requests, make_runner, random_prompts, run_side_by_side
 
-from airserve.srt.model_executor.cuda_graph_runner import WARMUP_RUNS, CudaGraphRunner
-from airserve.srt.model_executor.npu_graph_runner import NPUGraphRunner
+from airserve.srt.model_executor.graph_runners.cuda import WARMUP_RUNS, CudaGraphRunner
+from airserve.srt.model_executor.graph_runners.npu import NPUGraphRunner
+from airserve_testing.decode_driver import Requests, make_runner, random_prompts, run_side_by_side
 
 ATOL = 1e-4  # float32; a padded batch changes only GEMM blocking on CPU
 

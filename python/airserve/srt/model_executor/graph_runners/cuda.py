@@ -11,18 +11,13 @@ from typing import Any
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardBatch
-from airserve.srt.model_executor.graph_runner import (
-    GraphRunner,
-    configure_compile_cache,
-    raise_recompile_limit,
-)
+from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.model_executor.graph_runners.base import GraphRunner, configure_compile_cache
 
 WARMUP_RUNS = 2  # before capture: compiles, autotunes and allocates outside the graph
 
 
 class CudaGraphRunner(GraphRunner):
-    name = "cuda_graph"
     outputs_reused = True  # a graph's output buffer is rewritten by its next replay
 
     def __init__(self, model_runner) -> None:
@@ -31,10 +26,10 @@ class CudaGraphRunner(GraphRunner):
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.stream = None
-        args = model_runner.server_args
-        self.compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
-        if args.enable_torch_compile:
-            configure_compile_cache(args.compile_cache_dir)
+        config = model_runner.runner_config
+        self.compile_max_bs = config.torch_compile_max_bs if config.enable_torch_compile else 0
+        if config.enable_torch_compile:
+            configure_compile_cache(config.compile_cache_dir)
         super().__init__(model_runner)
 
     # Device specifics (NPUGraphRunner overrides these).
@@ -53,10 +48,6 @@ class CudaGraphRunner(GraphRunner):
         return total - free
 
     # Contract.
-    def capture(self) -> None:
-        raise_recompile_limit(len(self.buckets) + 1)
-        super().capture()
-
     def forward_for_bucket(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
         if bs > self.compile_max_bs:
             return self.forward_static

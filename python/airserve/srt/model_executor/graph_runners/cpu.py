@@ -16,33 +16,26 @@ from collections.abc import Callable
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardBatch
-from airserve.srt.model_executor.graph_runner import (
+from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.model_executor.graph_runners.base import (
     GraphRunner,
     configure_compile_cache,
     dynamo_graph_count,
     power_of_two_buckets,
-    raise_recompile_limit,
 )
 
 
 class CPUGraphRunner(GraphRunner):
-    name = "cpu_graph"
     compile_runner = True
     schedule = staticmethod(power_of_two_buckets)
 
     def __init__(self, model_runner) -> None:
-        args = model_runner.server_args
-        configure_compile_cache(args.compile_cache_dir)
+        configure_compile_cache(model_runner.runner_config.compile_cache_dir)
         self.compiled: dict[int, Callable[[ForwardBatch], torch.Tensor]] = {}
         self.graphs_at_capture = 0
         for buf in model_runner.kv_cache.k_buffers + model_runner.kv_cache.v_buffers:
             torch._dynamo.mark_static_address(buf)
         super().__init__(model_runner)
-
-    def capture(self) -> None:
-        raise_recompile_limit(len(self.buckets) + 1)
-        super().capture()
 
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         fn = torch.compile(self.forward_static, backend=self.backend_name, fullgraph=True,

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import types
 
 import pytest
 import torch
 
-from airserve.srt.model_executor.torchair_compile import (
+from airserve.srt.hardware import import_torchair
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.torchair.compile import (
     build_compiler_config,
     check_not_eager,
     get_compile_backend,
-    import_torchair,
 )
 from airserve.srt.server_args import ServerArgs
 
@@ -68,8 +70,9 @@ def fake_compiler_config(modes=("max-autotune", "reduce-overhead")):
     )
 
 
-def npu_args(**kw) -> ServerArgs:
-    return ServerArgs(device="npu", enable_torch_compile=True, **kw)
+def npu_args(**kw) -> RunnerConfig:
+    return RunnerConfig.from_server_args(ServerArgs(device="npu", enable_torch_compile=True,
+                                                    **kw))
 
 
 # The mapping from flags to torchair options is ours; it is tested on a plain option tree with
@@ -124,7 +127,8 @@ def test_configs_that_run_eagerly_are_refused(path):
 
 
 def test_cpu_gets_inductor():
-    backend = get_compile_backend(ServerArgs(device="cpu", enable_torch_compile=True), 3)
+    backend = get_compile_backend(
+        RunnerConfig.from_server_args(ServerArgs(device="cpu", enable_torch_compile=True)), 3)
     assert backend.backend == "inductor" and backend.cache_compile is None
 
 
@@ -160,3 +164,38 @@ def test_torch_npu_that_fails_to_load(monkeypatch, error, what):
     with pytest.raises(RuntimeError) as err:
         import_torchair()
     assert what in str(err.value) and "set_env.sh" in str(err.value)
+
+
+class LazyTorchair(types.ModuleType):
+    """A torchair whose import succeeds and whose first attribute fails, as torch-npu's lazy
+    module does when protobuf is missing."""
+
+    def __getattr__(self, name):
+        raise ImportError("No module named 'google.protobuf'")
+
+
+def fake_torch_npu(monkeypatch, dynamo_torchair=None) -> None:
+    npu = types.ModuleType("torch_npu")
+    npu.__version__ = f"{TORCH_VERSION}.post1"
+    dynamo = types.ModuleType("torch_npu.dynamo")
+    if dynamo_torchair is not None:
+        dynamo.torchair = dynamo_torchair
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.dynamo", dynamo)
+    monkeypatch.setitem(sys.modules, "torchair", LazyTorchair("torchair"))
+
+
+def test_broken_lazy_torchair_fails_at_import_naming_protobuf(monkeypatch):
+    fake_torch_npu(monkeypatch)
+    with pytest.raises(RuntimeError) as err:
+        import_torchair()
+    msg = str(err.value)
+    assert "google.protobuf" in msg and "airserve[npu]" in msg
+    assert "--enable-torch-compile" in msg
+
+
+def test_torchair_inside_torch_npu_is_the_fallback(monkeypatch):
+    working = types.ModuleType("torch_npu.dynamo.torchair")
+    working.get_npu_backend = lambda **kw: "backend"
+    fake_torch_npu(monkeypatch, dynamo_torchair=working)
+    assert import_torchair() is working

@@ -33,27 +33,26 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-import types
 from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.hardware import check_openvino_device, require_openvino
 from airserve.srt.layers.attention.openvino_backend import (
     OpenVINOAttnBackend,
     OpenVINODecodeMetadata,
 )
 from airserve.srt.layers.quant.openvino_linear import with_openvino_linears
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
-from airserve.srt.model_executor.graph_runner import (
+from airserve.srt.model_executor.graph_runners.base import (
     GraphRunner,
     power_of_two_buckets,
-    raise_recompile_limit,
+    renamed_method,
 )
-from airserve.srt.model_executor.openvino_compile import (
+from airserve.srt.model_executor.graph_runners.openvino.compile import (
     BoundRequest,
     OpenVINOCompiler,
     compile_options,
-    require_openvino,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,21 +85,18 @@ def kv_len_buckets(context_len: int, page_size: int,
 
 
 class OpenVINORunner(GraphRunner):
-    name = "openvino"
     compile_runner = True
     schedule = staticmethod(power_of_two_buckets)  # every bucket is a slow compile
     outputs_reused = True  # logits live in OpenVINO's output buffer
     disabled_ops: tuple[str, ...] = ()  # ops kept out of OpenVINO (tests force a fallback)
 
     def __init__(self, model_runner) -> None:
-        args = model_runner.server_args
+        args = model_runner.runner_config
         require_openvino()
-        from airserve.devices import check_openvino_device
-
         self.ov_device = check_openvino_device(args.openvino_device)
         self.options = compile_options(
-            self.ov_device, args.openvino_precision,
-            args.openvino_num_threads or args.num_threads, args.openvino_cache_dir,
+            self.ov_device, args.openvino_precision, args.openvino_num_threads,
+            args.openvino_cache_dir,
             disabled_ops=self.disabled_ops,
             dynamic_quant_group_size=args.openvino_dynamic_quant_group_size)
         if args.openvino_cache_dir:
@@ -143,19 +139,14 @@ class OpenVINORunner(GraphRunner):
         return logits, torch.stack(meta.new_k + meta.new_v)
 
     def _decode_step_copy(self, bs: int, kv_blocks: int):
-        """`decode_step` bound to self, with its own code object: dynamo keeps compiled graphs
-        per code object, so each graph gets a cache of one entry (no walk over every graph's
-        guards per step, no shared recompile limit; vllm-ascend does the same for torchair)."""
-        code = OpenVINORunner.decode_step.__code__
-        func = types.FunctionType(code.replace(co_name=f"decode_step_bs{bs}_kv{kv_blocks}"),
-                                  OpenVINORunner.decode_step.__globals__)
-        return types.MethodType(func, self)
-
+        """`decode_step` on its own code object: dynamo keeps compiled graphs per code object,
+        so each graph gets a cache of one entry (no walk over every graph's guards per step)."""
+        return renamed_method(OpenVINORunner.decode_step, self,
+                              f"decode_step_bs{bs}_kv{kv_blocks}")
 
     # Capture.
-    def capture(self) -> None:
-        raise_recompile_limit(len(self.buckets) * len(self.kv_blocks) + 1)
-        super().capture()
+    def max_compiled_graphs(self) -> int:
+        return len(self.buckets) * len(self.kv_blocks) + 1
 
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         self._compile(bs, self.kv_blocks[0], fb)

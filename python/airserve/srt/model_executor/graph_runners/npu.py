@@ -13,25 +13,18 @@ import threading
 
 import torch
 
-from airserve.srt.model_executor.cuda_graph_runner import CudaGraphRunner
-from airserve.srt.model_executor.forward_batch import ForwardBatch
+from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.hardware import import_torch_npu
+from airserve.srt.model_executor.graph_runners.cuda import CudaGraphRunner
 
 # The FIA argument that carries the per-request KV lengths on the host.
 DEFAULT_HOST_SEQ_LENS_ARG = "actual_seq_lengths_kv"
 
 
-def import_npu():
-    from airserve.srt.model_executor.runner_selection import import_torch_npu
-
-    import_torch_npu()
-    return torch.npu
-
-
 class NPUGraphRunner(CudaGraphRunner):
-    name = "npu_graph"
-
     def get_device_module(self):
-        return import_npu()
+        import_torch_npu()
+        return torch.npu
 
     def create_graph(self):
         return torch.npu.NPUGraph()

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardMode
+from airserve.srt.forward_batch import ForwardMode
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
 

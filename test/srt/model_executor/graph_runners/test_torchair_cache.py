@@ -9,17 +9,17 @@ import os
 
 import pytest
 import torch
-from decode_driver import make_runner
 
-from airserve.srt.model_executor.graph_runner import GraphCaptureError
-from airserve.srt.model_executor.torchair_cache import (
+from airserve.srt.model_executor.graph_runners.base import GraphCaptureError
+from airserve.srt.model_executor.graph_runners.torchair.cache import (
     KEY_FILE,
     CompileCacheKey,
     cann_version,
     open_bucket_cache,
 )
-from airserve.srt.model_executor.torchair_compile import CompileBackend
-from airserve.srt.model_executor.torchair_runner import TorchAirRunner
+from airserve.srt.model_executor.graph_runners.torchair.compile import CompileBackend
+from airserve.srt.model_executor.graph_runners.torchair.runner import TorchAirRunner
+from airserve_testing.decode_driver import make_runner
 
 KEY = CompileCacheKey(
     bucket=4, kv_shape=(2048, 2, 16), kv_dtype="torch.bfloat16", num_layers=2, page_size=128,

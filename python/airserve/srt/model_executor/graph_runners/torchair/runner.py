@@ -1,10 +1,9 @@
 """Ascend decode graphs through torchair: one `torch.compile`d decode step per batch size.
 
-Standalone (DESIGN.md): it owns its compiled callables and compiler, and shares with the
-graph-runner contract only the bucket schedule and its static inputs (`StaticDecodeInputs`:
-buffers, inert padding, bucket choice, fallback rules). The compiler comes from one
-seam, `get_compile_backend` (torchair's NPU backend on --device npu); tests pass inductor or a
-recording backend to the constructor, and nothing else differs between CPU and NPU.
+Selected by `--device npu --enable-torch-compile`. A graph runner like every other (the same
+base, the same two hooks, the same replay); what is its own is the compiler, which comes from
+one seam, `get_compile_backend` (torchair's NPU backend on --device npu); tests pass inductor
+or a recording backend to the constructor, and nothing else differs between CPU and NPU.
 
 Every bucket is one graph, compiled once, whatever the live lengths. torchair documents the
 recipe for graphs holding FIA (docs "模型中存在FA算子，如何执行整图静态下沉调度", path 4):
@@ -18,31 +17,30 @@ checks each graph: a tensor input with a symbolic dimension is a capture error.
 Inputs of the step (bucket bs): input_ids, positions, out_cache_loc [bs] int64; seq_lens [bs]
 int32 and its host list; the block table [bs, ceil(context_len / page_size)] int32 padded to
 full width; every layer's K and V cache [num_slots, kv_heads, head_dim] (static address, never
-copied). Each bucket compiles its own renamed copy of `DecodeStep.forward`: separate code
-objects keep dynamo's per-code caches and torchair's per-method compile caches apart (as
-vllm-ascend's torchair runner did).
+copied). Each bucket compiles its own renamed copy of `DecodeStep.forward` (`renamed_method`):
+separate code objects keep dynamo's per-code caches and torchair's per-method compile caches
+apart.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
-import types
 from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from airserve.srt.model_executor import forward_batch
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
-from airserve.srt.model_executor.graph_runner import (
+from airserve.srt import forward_batch
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
+from airserve.srt.model_executor.graph_runners.base import (
     GraphCaptureError,
+    GraphRunner,
     dynamo_graph_count,
-    get_batch_size_buckets,
+    renamed_method,
 )
-from airserve.srt.model_executor.static_inputs import StaticDecodeInputs, StaticInputsRunner
-from airserve.srt.model_executor.torchair_cache import (
+from airserve.srt.model_executor.graph_runners.torchair.cache import (
     UNKNOWN,
     CompileCacheKey,
     cann_version,
@@ -51,7 +49,7 @@ from airserve.srt.model_executor.torchair_cache import (
     source_hash,
     torch_npu_version,
 )
-from airserve.srt.model_executor.torchair_compile import (
+from airserve.srt.model_executor.graph_runners.torchair.compile import (
     CompileBackend,
     as_compile_backend,
     get_compile_backend,
@@ -85,95 +83,66 @@ class DecodeStep(nn.Module):
 
     def method_for(self, bs: int):
         """`forward` under the name decode_bs{bs}, on its own code object, bound to self."""
-        name = f"decode_bs{bs}"
-        fn = DecodeStep.forward
-        code = fn.__code__.replace(co_name=name)
-        if hasattr(code, "co_qualname"):
-            code = code.replace(co_qualname=f"DecodeStep.{name}")
-        func = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-        func.__qualname__ = f"DecodeStep.{name}"
-        return types.MethodType(func, self)
+        return renamed_method(DecodeStep.forward, self, f"decode_bs{bs}")
 
 
-class TorchAirRunner(StaticInputsRunner):
-    """Compiled decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
+class TorchAirRunner(GraphRunner):
+    """Compiled decode steps, one per bucket, on the graph-runner contract."""
 
-    Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
-    StaticDecodeInputs).
-    """
-
-    name = "torchair"
+    compile_runner = True
+    outputs_reused = True  # compiled outputs may live in memory the next replay overwrites
+    bucket_kind = "compiled"
+    capture_hint = ("Try a smaller --torch-compile-max-bs, fewer sizes with --cuda-graph-bs, "
+                    "another --torchair-mode, or drop --enable-torch-compile (NPU graph "
+                    "runner).")
     CAPTURE_RUNS = 2  # the second changes the host lengths: a specialised graph fails here
 
     def __init__(self, model_runner: ModelRunner,
                  compile_backend: CompileBackend | str | None = None) -> None:
-        args = model_runner.server_args
-        self.model_runner = model_runner
-        self.attn_backend = model_runner.attn_backend
-        self.kv_cache = model_runner.kv_cache
-        self.buckets = get_batch_size_buckets(args, model_runner.max_running_requests, True)
-        self.compile_backend = (get_compile_backend(args, len(self.buckets))
-                                if compile_backend is None else as_compile_backend(compile_backend))
-        self.backend_name = self.compile_backend.name
-        self.cache_root = args.torchair_cache_dir
-        if self.cache_root and self.compile_backend.cache_compile is None:
-            logger.warning("--torchair-cache-dir ignored: the %s backend has no compile cache",
-                           self.backend_name)
-            self.cache_root = None
-        self.step = DecodeStep(model_runner.model, self.attn_backend, self.kv_cache.page_size)
+        self.given_backend = (None if compile_backend is None
+                              else as_compile_backend(compile_backend))
+        kv_cache = model_runner.kv_cache
+        self.step = DecodeStep(model_runner.model, model_runner.attn_backend, kv_cache.page_size)
         self.compiled: dict[int, object] = {}
         self.graphs: Counter[int] = Counter()  # graphs compiled per bucket
         self._compile_ids: set[tuple] = set()
         self.graphs_at_capture = 0
         self.symbolic_inputs: dict[int, int] = {}  # symbolic-int graph inputs per bucket
-        self.capture_seconds: dict[int, float] = {}
-        self.memory_bytes = 0
-        self.replay_count = 0
         self.recompiles = 0
-
-        self.inputs = StaticDecodeInputs(
-            self.buckets, not args.disable_cuda_graph_padding, model_runner.device,
-            self.kv_cache, self.attn_backend, kind="compiled")
-        for fb in self.inputs.batches.values():
-            for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.out_cache_loc):
-                _mark_static(t)
-        for buf in self.kv_cache.k_buffers + self.kv_cache.v_buffers:
+        for buf in kv_cache.k_buffers + kv_cache.v_buffers:
             _mark_static(buf)
-        self.capture()
+        super().__init__(model_runner)
+
+    @functools.cached_property
+    def compile_backend(self) -> CompileBackend:
+        """The given backend, else torchair's on npu (inductor elsewhere); needs the buckets."""
+        if self.given_backend is not None:
+            return self.given_backend
+        return get_compile_backend(self.config, len(self.buckets))
+
+    @property
+    def backend_name(self) -> str:
+        backend = self.__dict__.get("compile_backend", self.given_backend)
+        return backend.name if backend is not None else "torchair"
+
+    @functools.cached_property
+    def cache_root(self) -> str | None:
+        root = self.config.torchair_cache_dir
+        if root and self.compile_backend.cache_compile is None:
+            logger.warning("--torchair-cache-dir ignored: the %s backend has no compile cache",
+                           self.backend_name)
+            return None
+        return root
 
     def _inputs(self, fb: ForwardBatch) -> tuple:
         return (fb.input_ids, fb.positions, fb.out_cache_loc, fb.seq_lens, fb.seq_lens_cpu,
                 fb.attn_metadata, self.kv_cache.k_buffers, self.kv_cache.v_buffers)
 
     # Capture.
-    @torch.inference_mode()
-    def capture(self) -> None:
-        before = self.memory_in_use()
-        for bs in reversed(self.buckets):  # largest first, as every graph runner
-            start = time.perf_counter()
-            graphs = self.graph_count()
-            try:
-                self._capture_bucket(bs)
-            except Exception as e:
-                raise GraphCaptureError(
-                    f"TorchAirRunner ({self.backend_name}) failed to compile the decode step at "
-                    f"batch size {bs} ({type(e).__name__}: {e}). Try a smaller "
-                    "--torch-compile-max-bs, fewer sizes with --cuda-graph-bs, another "
-                    "--torchair-mode, or drop --enable-torch-compile (NPU graph runner)."
-                ) from e
-            if self.graph_count() - graphs > 1:
-                raise GraphCaptureError(
-                    f"TorchAirRunner recompiled batch size {bs} when only the sequence lengths "
-                    f"changed ({self.graph_count() - graphs} graphs): an input is not static")
-            self.capture_seconds[bs] = time.perf_counter() - start
-        self.graphs_at_capture = self.graph_count()
-        self.memory_bytes = max(0, self.memory_in_use() - before)
-        self.log_report()
-
-    def _capture_bucket(self, bs: int) -> None:
-        fb = self.inputs.batches[bs]
-        self.attn_backend.init_forward_metadata_capture(fb, bs)
-        _mark_static(fb.attn_metadata)
+    def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        graphs = self.graph_count()
+        for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.out_cache_loc, fb.attn_metadata):
+            _mark_static(t)
         self.compiled[bs] = self._compile(bs)
         # Floats in the model (eps, scale) are constants: traced as symbols they are
         # specialised later, which restarts dynamo's analysis (tracing twice).
@@ -182,6 +151,11 @@ class TorchAirRunner(StaticInputsRunner):
                 self._set_padding_lens(fb, bs, 1 + run)
                 self.compiled[bs](*self._inputs(fb))
         self._set_padding_lens(fb, bs, 1)
+        if self.graph_count() - graphs > 1:
+            raise GraphCaptureError(
+                f"TorchAirRunner recompiled batch size {bs} when only the sequence lengths "
+                f"changed ({self.graph_count() - graphs} graphs): an input is not static")
+        self.graphs_at_capture = self.graph_count()
 
     def graph_count(self) -> int:
         """Graphs compiled so far. Through torchair's cache_compile the compile hook is
@@ -223,7 +197,7 @@ class TorchAirRunner(StaticInputsRunner):
             bucket=bs, kv_shape=tuple(buf.shape), kv_dtype=str(buf.dtype),
             num_layers=len(self.kv_cache.k_buffers), page_size=self.kv_cache.page_size,
             max_blocks=self.attn_backend.max_blocks,
-            model_path=str(mr.server_args.model_path or "default"),
+            model_path=self.config.model_path,
             model_config_hash=model_config_hash(mr.model_config),
             code_hash=source_hash(type(mr.model), type(self.attn_backend), DecodeStep,
                                   forward_batch),
@@ -238,20 +212,15 @@ class TorchAirRunner(StaticInputsRunner):
         return key
 
     # Replay.
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        n = fb.batch_size
-        static = self.inputs.load(fb)
-        bs = static.batch_size
-        logits = self.compiled[bs](*self._inputs(static))
-        self.replay_count += 1
+    def replay_bucket(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        logits = self.compiled[bs](*self._inputs(fb))
         graphs = self.graph_count()
         if graphs != self.graphs_at_capture + self.recompiles:
             logger.error("TorchAirRunner recompiled the decode step at batch size %d after "
                          "capture (%d graphs for %d buckets): an input is not static", bs,
                          graphs, len(self.buckets))
             self.recompiles = graphs - self.graphs_at_capture
-        # Compiled outputs may live in graph memory that the next replay overwrites.
-        return logits[:n].clone()
+        return logits
 
     # Report.
     def memory_in_use(self) -> int:
@@ -259,11 +228,7 @@ class TorchAirRunner(StaticInputsRunner):
             torch.npu.synchronize()
             free, total = torch.npu.mem_get_info()
             return total - free
-        try:
-            import psutil
-        except ImportError:
-            return 0
-        return psutil.Process().memory_info().rss
+        return super().memory_in_use()
 
     def report(self) -> dict:
         return {
@@ -275,16 +240,8 @@ class TorchAirRunner(StaticInputsRunner):
         }
 
     def log_report(self) -> None:
-        r = self.report()
-        per_bucket = ", ".join(f"{bs}: {s:.2f}s" for bs, s in r["capture_seconds"].items())
-        logger.info(
-            "decode graph runner ready\n  runner: %s (compile backend: %s)\n  buckets: %s%s\n"
-            "  compile time per bucket: %s\n  compile total: %.1fs, memory taken: %.1f MiB\n"
-            "  compile cache: %s",
-            r["runner"], r["backend"], r["buckets"], "" if r["padding"] else " (no padding)",
-            per_bucket, r["capture_seconds_total"], r["memory_bytes"] / 2**20,
-            r["compile_cache"] or "off",
-        )
+        super().log_report()
+        logger.info("torchair compile cache: %s", self.cache_root or "off")
 
 
 def _mark_static(t: torch.Tensor) -> None:

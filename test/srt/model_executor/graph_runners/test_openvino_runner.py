@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_driver import Requests
 
-from airserve.srt.model_executor.graph_runner import GraphCaptureError
+from airserve.srt.model_executor.graph_runners.base import GraphCaptureError
 from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing.decode_driver import Requests
 
 try:
     import openvino  # noqa: F401
@@ -23,8 +23,8 @@ except ImportError:
 
 from openvino.frontend.pytorch.torchdynamo import execute as ov_execute  # noqa: E402
 
-from airserve.srt.model_executor import openvino_runner  # noqa: E402
-from airserve.srt.model_executor.openvino_runner import (  # noqa: E402
+from airserve.srt.model_executor.graph_runners.openvino import runner as openvino_runner  # noqa: E402
+from airserve.srt.model_executor.graph_runners.openvino.runner import (  # noqa: E402
     POOL_READERS,
     OpenVINORunner,
     kv_len_buckets,
@@ -170,7 +170,7 @@ def test_lost_kv_writes_are_detected(runners, monkeypatch):
 def test_gguf_blocks_run_as_compressed_weights(tmp_path, small_kv_buckets):
     """Q4_0/Q4_1/Q8_0 layers become u4/i8 matmuls in the compiled model, and decode still
     matches the eager float32 weights (same values; float32 rounding of the zero points)."""
-    from tiny_gguf import PACKED_TYPES, write_tiny_gguf
+    from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
 
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)

@@ -15,16 +15,16 @@ import sys
 
 import pytest
 import torch
-from decode_driver import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
-from fia_reference import ReferenceAttentionOps
 
 from airserve.srt.layers.attention.ascend_backend import AscendAttnBackend
-from airserve.srt.model_executor.model_runner import ModelRunner
-from airserve.srt.model_executor.torchair_runner import (
+from airserve.srt.model_executor.graph_runners.torchair.runner import (
     TorchAirRunner,
     check_static_tensor_inputs,
 )
+from airserve.srt.model_executor.model_runner import ModelRunner
 from airserve.srt.server_args import ServerArgs
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
+from airserve_testing.fia_reference import ReferenceAttentionOps
 
 ATOL = 1e-4
 PROMPT_LENGTHS = [5, 23, 40, 17]
@@ -221,11 +221,15 @@ def test_selection_picks_torchair_only_with_torch_compile_without_importing_torc
         "sys.modules['torch_npu'] = None\n"
         "sys.modules['torchair'] = None\n"
         "from airserve.srt.server_args import ServerArgs\n"
-        "from airserve.srt.model_executor.runner_selection import RUNNERS, select_runner_name\n"
-        "import airserve.srt.model_executor.torchair_runner\n"
+        "from airserve.srt.model_executor.graph_runners.config import RunnerConfig\n"
+        "from airserve.srt.model_executor.graph_runners.registry import RUNNERS, "
+        "select_runner_name\n"
+        "import airserve.srt.model_executor.graph_runners.torchair.runner\n"
         "import airserve.srt.layers.attention.ascend_backend\n"
-        "on = select_runner_name(ServerArgs(device='npu', enable_torch_compile=True))\n"
-        "off = select_runner_name(ServerArgs(device='npu'))\n"
+        "def name(**kw): return select_runner_name(RunnerConfig.from_server_args("
+        "ServerArgs(**kw)))\n"
+        "on = name(device='npu', enable_torch_compile=True)\n"
+        "off = name(device='npu')\n"
         "print(RUNNERS[on][1], RUNNERS[off][1])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

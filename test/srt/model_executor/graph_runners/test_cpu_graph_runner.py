@@ -10,13 +10,13 @@ import warnings
 
 import pytest
 import torch
-from decode_driver import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
 
 from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.attention import torch_native_backend
 from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
-from airserve.srt.model_executor.cpu_graph_runner import CPUGraphRunner
-from airserve.srt.model_executor.graph_runner import dynamo_graph_count
+from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
+from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side, zero_kv
 
 # float32 on both sides; inductor fuses and reorders reductions, nothing else differs.
 ATOL = 1e-4

@@ -23,11 +23,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPENVINO_VERSION = "2026.4.1"
-OPENVINO_INSTALL_HINT = (
-    f"install it with `pip install openvino=={OPENVINO_VERSION}` (or the extra: "
-    "`pip install airserve[openvino]`)"
-)
 PRECISION_HINTS = {"f32": "f32", "bf16": "bf16", "f16": "f16"}
 _BACKEND_LOGGERS = ("openvino.frontend.pytorch.torchdynamo.backend",
                     "openvino.frontend.pytorch.torchdynamo.execute")
@@ -35,16 +30,6 @@ _BACKEND_LOGGERS = ("openvino.frontend.pytorch.torchdynamo.backend",
 
 class OpenVINOFallbackError(RuntimeError):
     """A graph compiled for OpenVINO would run (partly) outside OpenVINO."""
-
-
-def require_openvino():
-    """Import openvino or raise one error saying how to install it."""
-    try:
-        import openvino
-    except ImportError as e:
-        raise RuntimeError(f"--torch-compile-backend openvino needs the openvino package "
-                           f"({e}); {OPENVINO_INSTALL_HINT}") from e
-    return openvino
 
 
 def compile_options(device: str, precision: str, num_threads: int | None,

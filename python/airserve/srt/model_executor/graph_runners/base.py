@@ -1,9 +1,11 @@
 """The decode graph-runner contract: capture the decode step once per batch size, then replay.
 
-A subclass says only how to capture one bucket (`capture_bucket`) and how to run it
-(`replay_bucket`). Everything else lives here: the bucket schedule, output slicing, the start-up
-report and the one capture error; the static inputs, their inert padded rows, bucket choice and
-the fallback rules are a `StaticDecodeInputs`, shared with the standalone TorchAirRunner.
+A runner says only how to capture one bucket (`capture_bucket`) and how to run it
+(`replay_bucket`). Everything else lives here, once for every runner: the bucket schedule,
+the capture loop and its one error, replay with output slicing, the fallback rules, the
+start-up report; the static inputs and their inert padded rows are a `StaticDecodeInputs`.
+Runners that torch.compile their buckets share the helpers below (compile cache, dynamo's
+recompile limit and graph count, one renamed decode method per bucket).
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from airserve.srt.model_executor.forward_batch import ForwardBatch
-from airserve.srt.model_executor.static_inputs import StaticDecodeInputs, StaticInputsRunner
-from airserve.srt.server_args import ServerArgs
+from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.static_inputs import StaticDecodeInputs
 
 if TYPE_CHECKING:
     from airserve.srt.model_executor.model_runner import ModelRunner
@@ -42,7 +45,7 @@ def power_of_two_buckets(max_bs: int) -> list[int]:
     return sorted(set(sizes) | {max_bs})
 
 
-def get_batch_size_buckets(server_args: ServerArgs, max_running_requests: int,
+def get_batch_size_buckets(config: RunnerConfig, max_running_requests: int,
                            compile_runner: bool = False,
                            schedule: Callable[[int], list[int]] = default_buckets) -> list[int]:
     """Sorted batch sizes to capture.
@@ -51,17 +54,17 @@ def get_batch_size_buckets(server_args: ServerArgs, max_running_requests: int,
     (`--torch-compile-max-bs` for runners that compile every bucket).
     Never above `max_running_requests`: no batch can be larger.
     """
-    if server_args.cuda_graph_bs:
-        sizes = [s for s in server_args.cuda_graph_bs if s <= max_running_requests]
-        dropped = sorted(set(server_args.cuda_graph_bs) - set(sizes))
+    if config.cuda_graph_bs:
+        sizes = [s for s in config.cuda_graph_bs if s <= max_running_requests]
+        dropped = sorted(set(config.cuda_graph_bs) - set(sizes))
         if dropped:
             logger.warning("--cuda-graph-bs %s exceed --max-running-requests %d: not captured",
                            dropped, max_running_requests)
         return sizes or [max_running_requests]
     if compile_runner:
-        max_bs = server_args.torch_compile_max_bs
+        max_bs = config.torch_compile_max_bs
     else:
-        max_bs = server_args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
+        max_bs = config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
     return schedule(min(max_bs, max_running_requests))
 
 
@@ -104,36 +107,60 @@ def dynamo_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class GraphRunner(StaticInputsRunner, ABC):
+def renamed_method(fn: Callable, owner: object, name: str) -> Callable:
+    """`fn` on its own code object named `name`, bound to `owner`.
+
+    dynamo keeps its compiled entries per code object, and torchair's compile cache keys by
+    the method's name: a copy per bucket keeps each bucket's graph apart from the others.
+    """
+    qualname = f"{type(owner).__name__}.{name}"
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=qualname)
+    func = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    func.__qualname__ = qualname
+    return types.MethodType(func, owner)
+
+
+class GraphRunner(ABC):
     """Captured decode steps, one per bucket; `replay(fb)` returns logits [fb.batch_size, vocab].
 
     Each bucket runs on the static batch `self.inputs.batches[bs]`; padded rows are inert (see
-    StaticDecodeInputs).
+    StaticDecodeInputs). Built from the model runner's model, attention backend and KV cache
+    and its `RunnerConfig`; never from `ServerArgs`.
     """
 
-    name = "graph"
     compile_runner = False  # buckets go up to --torch-compile-max-bs, not --cuda-graph-max-bs
     schedule = staticmethod(default_buckets)  # default bucket sizes up to a max
     outputs_reused = False  # the captured output buffer is overwritten by the next replay
+    bucket_kind = "captured"  # how buckets are made, for fallback reasons
+    # What to try when a bucket fails to capture (part of GraphCaptureError's message).
+    capture_hint = ("Try a smaller --cuda-graph-max-bs (--torch-compile-max-bs for compiled "
+                    "runners), fewer sizes with --cuda-graph-bs, --disable-cuda-graph, or drop "
+                    "--enable-torch-compile.")
 
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
+        self.config = config = model_runner.runner_config
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.kv_cache = model_runner.kv_cache
-        args = model_runner.server_args
-        self.backend_name = args.resolved_compile_backend if args.enable_torch_compile else "none"
         self.inputs = StaticDecodeInputs(
-            get_batch_size_buckets(args, model_runner.max_running_requests, self.compile_runner,
-                                   self.schedule),
-            not args.disable_cuda_graph_padding, model_runner.device, self.kv_cache,
-            self.attn_backend)
+            get_batch_size_buckets(config, model_runner.max_running_requests,
+                                   self.compile_runner, self.schedule),
+            config.padding, model_runner.device, self.kv_cache, self.attn_backend,
+            kind=self.bucket_kind)
         self.buckets = self.inputs.buckets
         self.input_ids = self.inputs.input_ids  # [max_bs]: what every bucket's tokens view
         self.capture_seconds: dict[int, float] = {}
         self.memory_bytes = 0
         self.replay_count = 0
         self.capture()
+
+    @property
+    def backend_name(self) -> str:
+        """The compile backend, for the report ("none" when nothing is compiled)."""
+        return self.config.backend_name
 
     @property
     def padding(self) -> bool:
@@ -144,6 +171,10 @@ class GraphRunner(StaticInputsRunner, ABC):
         self.inputs.padding = value
 
     # Capture.
+    def max_compiled_graphs(self) -> int:
+        """How many graphs dynamo must be allowed to keep per function: one per bucket (+1)."""
+        return len(self.buckets) + 1
+
     @abstractmethod
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         """Capture (or compile) the decode step for the static batch `fb` of `bs` rows."""
@@ -164,6 +195,8 @@ class GraphRunner(StaticInputsRunner, ABC):
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # Past dynamo's recompile limit a compiled function silently runs eager.
+        raise_recompile_limit(self.max_compiled_graphs())
         before = self.memory_in_use()
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
             fb = self.inputs.batches[bs]
@@ -173,10 +206,8 @@ class GraphRunner(StaticInputsRunner, ABC):
                 self.capture_bucket(bs, fb)
             except Exception as e:
                 raise GraphCaptureError(
-                    f"{type(self).__name__} failed to capture the decode step at batch size "
-                    f"{bs} ({type(e).__name__}: {e}). Try a smaller --cuda-graph-max-bs "
-                    "(--torch-compile-max-bs for compiled runners), fewer sizes with "
-                    "--cuda-graph-bs, --disable-cuda-graph, or drop --enable-torch-compile."
+                    f"{type(self).__name__} ({self.backend_name}) failed to capture the decode "
+                    f"step at batch size {bs} ({type(e).__name__}: {e}). {self.capture_hint}"
                 ) from e
             self.capture_seconds[bs] = time.perf_counter() - start
         self.memory_bytes = max(0, self.memory_in_use() - before)
@@ -190,7 +221,30 @@ class GraphRunner(StaticInputsRunner, ABC):
         self.replay_count += 1
         return logits[:n].clone() if self.outputs_reused else logits[:n]
 
+    # Batches it takes.
+    def fallback_reason(self, fb: ForwardBatch) -> str | None:
+        """None if `replay(fb)` can run the batch, else why it must run eager."""
+        return self.inputs.fallback_reason(fb)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return self.fallback_reason(fb) is None
+
+    def bucket_for(self, n: int) -> int:
+        return self.inputs.bucket_for(n)
+
     # Report.
+    def report(self) -> dict:
+        return {
+            "runner": type(self).__name__,
+            "backend": self.backend_name,
+            "buckets": list(self.buckets),
+            "padding": self.inputs.padding,
+            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
+            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
+            "memory_bytes": self.memory_bytes,
+            "replay_count": self.replay_count,
+        }
+
     def log_report(self) -> None:
         r = self.report()
         per_bucket = ", ".join(f"{bs}: {s:.2f}s" for bs, s in r["capture_seconds"].items())

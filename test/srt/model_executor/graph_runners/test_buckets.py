@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airserve.srt.model_executor.graph_runner import (
+from airserve.srt.model_executor.graph_runners.base import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     default_buckets,
     get_batch_size_buckets,

@@ -8,9 +8,10 @@ that is the only difference between the CPU test run and the NPU run.
 Facts used here, checked against Ascend/torchair's python/torchair sources:
 - `get_npu_backend(compiler_config=cfg)` returns a torch.compile backend
   (`npu_fx_compiler.get_npu_backend`); `cfg.mode` picks GE ("max-autotune", the default) or
-  ACL-graph capture ("reduce-overhead"); `_gen_compiled_gm` knows no other mode. Newer
-  releases expose the same capture path as the "npugraph_ex" backend, whose options map onto
-  `debug.aclgraph.*` (`configs/npugraphex_config.py`).
+  ACL-graph capture: "reduce-overhead" in every release, and from torch-npu 2.13.0 on also
+  "npugraph_ex", the same capture path under its new name (its options map onto
+  `debug.aclgraph.*`, `configs/npugraphex_config.py`). Older releases accept only the first
+  two, which `_set_mode` falls back to.
 - Options are `OptionValue`s: assigning a value outside the allowed list raises ValueError
   (`configs/_option_base.py`).
 - `debug.run_eagerly`, `debug.fx_summary` (with `skip_compile`) and `debug.data_dump` make the
@@ -30,7 +31,8 @@ from typing import Any
 
 import torch
 
-from airserve.srt.server_args import ServerArgs
+from airserve.srt.hardware import import_torchair
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,10 @@ def as_compile_backend(backend: CompileBackend | Callable | str) -> CompileBacke
     return CompileBackend(name=name, backend=backend)
 
 
-def get_compile_backend(args: ServerArgs, num_buckets: int) -> CompileBackend:
+def get_compile_backend(args: RunnerConfig, num_buckets: int) -> CompileBackend:
     """The compiler for TorchAirRunner's buckets: torchair on npu, inductor (or eager) on cpu."""
     if args.device != "npu":
-        name = args.resolved_compile_backend
+        name = args.compile_backend
         if name not in ("inductor", "eager"):
             raise ValueError(f"TorchAirRunner on --device {args.device} compiles with inductor "
                              f"or eager, not {name}")
@@ -89,12 +91,12 @@ def _cache_compile(torchair, cfg, method: Callable, cache_dir: str) -> Callable:
     # cache_compile(func, *, config, dynamic, cache_dir, ...) takes a bound nn.Module method
     # and keys its cache by the module's repr, the config and the method's __name__ only
     # (inference/_cache_compiler.py `CompiledModel.get_cache_bin`): the runner gives each bucket
-    # its own renamed method and directory, and its own key covers the rest (torchair_cache).
+    # its own renamed method and directory, and its own key covers the rest (torchair/cache.py).
     return torchair.inference.cache_compile(method, config=cfg, dynamic=True,
                                             cache_dir=cache_dir)
 
 
-def build_compiler_config(cfg, args: ServerArgs, num_buckets: int):
+def build_compiler_config(cfg, args: RunnerConfig, num_buckets: int):
     """Fill a `torchair.CompilerConfig()` from the flags; raise if it would run eagerly."""
     mode = _set_mode(cfg, args.torchair_mode)
     _set_option(cfg, "experimental_config.frozen_parameter", args.torchair_frozen_parameter)
@@ -151,7 +153,7 @@ def _set_option(cfg, path: str, value) -> None:
         setattr(node, leaf, value)
     except (AttributeError, ValueError) as e:
         raise RuntimeError(f"the installed torchair has no option {path} ({e}); install a "
-                           "torch-npu release matching torch (see docs/ascend_npu.md)") from e
+                           "torch-npu release matching torch (see docs/ascend.md)") from e
 
 
 def _get_option(cfg, path: str):
@@ -181,26 +183,3 @@ def config_summary(cfg) -> dict[str, Any]:
              "experimental_config.tiling_schedule_optimize",
              "debug.aclgraph.static_capture_size_limit")
     return {p: _get_option(cfg, p) for p in paths}
-
-
-def import_torchair():
-    """Import torchair (it ships inside torch-npu) or raise an error that names the fix."""
-    from airserve.srt.model_executor.runner_selection import import_torch_npu
-
-    torch_npu = import_torch_npu()  # names CANN, set_env.sh and the torch-npu version
-    try:
-        import torchair
-    except ImportError:
-        try:  # the copy inside torch_npu, for releases that do not alias it as `torchair`
-            from torch_npu.dynamo import torchair
-        except ImportError as e:
-            version = getattr(torch_npu, "__version__", "?")
-            raise RuntimeError(
-                f"--enable-torch-compile on npu needs torchair, which ships inside torch-npu, "
-                f"but torch-npu {version} has none ({e}); install torch-npu=="
-                f"{torch.__version__.split('+')[0]}, or drop --enable-torch-compile to use the "
-                "NPU graph runner") from e
-    if not hasattr(torchair, "get_npu_backend"):
-        raise RuntimeError("the installed torchair has no get_npu_backend; install the "
-                           "torch-npu release that matches torch")
-    return torchair

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_driver import Requests, make_runner, random_prompts
 
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.mem_cache.memory_pool import DUMMY_PAGE, DUMMY_SLOT
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from airserve.srt.model_executor.graph_runner import GraphCaptureError, GraphRunner
+from airserve.srt.model_executor.graph_runners.base import GraphCaptureError, GraphRunner
+from airserve_testing.decode_driver import Requests, make_runner, random_prompts
 
 # Eager over a padded static batch vs eager over the real batch: float32, only the GEMM blocking
 # for a different row count differs.

@@ -1,8 +1,7 @@
 """The static decode inputs every graph runner replays from, and which batches they can hold.
 
-Used by GraphRunner (and so every runner built on it) and by the standalone TorchAirRunner:
-buffers at fixed addresses sized for the largest bucket, bucket choice, the fallback rules, and
-copying a live batch in with inert padded rows.
+Buffers at fixed addresses sized for the largest bucket, bucket choice, the fallback rules, and
+copying a live batch in with inert padded rows. Owned by `GraphRunner` (`self.inputs`).
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.mem_cache.memory_pool import DUMMY_SLOT
-from airserve.srt.model_executor.forward_batch import ForwardBatch, ForwardMode, KVCache
 
 if TYPE_CHECKING:
     from airserve.srt.layers.attention.base import AttentionBackend
@@ -78,38 +77,3 @@ class StaticDecodeInputs:
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (bs - n)
         self.attn_backend.init_forward_metadata_replay(static, bs, n, fb.req_pool_indices)
         return static
-
-
-class StaticInputsRunner:
-    """What every runner replaying from a `StaticDecodeInputs` (`self.inputs`) says the same way:
-    which batches it takes, and the common part of its report. Subclasses set `inputs`,
-    `buckets`, `backend_name`, `capture_seconds` ({bs: s}), `memory_bytes` and `replay_count`."""
-
-    inputs: StaticDecodeInputs
-    buckets: list[int]  # the same list as inputs.buckets
-    backend_name: str
-    capture_seconds: dict[int, float]
-    memory_bytes: int
-    replay_count: int
-
-    def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        """None if `replay(fb)` can run the batch, else why it must run eager."""
-        return self.inputs.fallback_reason(fb)
-
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return self.fallback_reason(fb) is None
-
-    def bucket_for(self, n: int) -> int:
-        return self.inputs.bucket_for(n)
-
-    def report(self) -> dict:
-        return {
-            "runner": type(self).__name__,
-            "backend": self.backend_name,
-            "buckets": list(self.buckets),
-            "padding": self.inputs.padding,
-            "capture_seconds": {bs: round(s, 3) for bs, s in sorted(self.capture_seconds.items())},
-            "capture_seconds_total": round(sum(self.capture_seconds.values()), 3),
-            "memory_bytes": self.memory_bytes,
-            "replay_count": self.replay_count,
-        }

@@ -1,4 +1,4 @@
-"""The device table (DESIGN.md) and the errors for a requested device that is absent."""
+"""The device table (docs/design.md) and the errors for a requested device that is absent."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import types
 import pytest
 import torch
 
-from airserve.srt.model_executor import runner_selection
-from airserve.srt.model_executor.runner_selection import (
-    check_device,
-    import_torch_npu,
-    select_runner_name,
-)
+from airserve.srt.hardware import check_device, import_torch_npu
+from airserve.srt.model_executor.graph_runners import registry
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.registry import select_runner_name
 from airserve.srt.server_args import ServerArgs
+
+
+def config(**kwargs) -> RunnerConfig:
+    return RunnerConfig.from_server_args(ServerArgs(**kwargs))
 
 TORCH_VERSION = torch.__version__.split("+")[0]
 
@@ -39,7 +41,7 @@ TORCH_VERSION = torch.__version__.split("+")[0]
     (dict(device="npu", enable_torch_compile=True, torchair_mode="npugraph_ex"), "torchair"),
 ])
 def test_device_table(kwargs, expected):
-    assert select_runner_name(ServerArgs(**kwargs)) == expected
+    assert select_runner_name(config(**kwargs)) == expected
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -49,22 +51,22 @@ def test_device_table(kwargs, expected):
 ])
 def test_backend_that_cannot_run_on_the_device_is_an_error(kwargs):
     with pytest.raises(ValueError, match="--torch-compile-backend"):
-        select_runner_name(ServerArgs(**kwargs))
+        select_runner_name(config(**kwargs))
 
 
 def test_every_runner_is_registered_by_module_and_class():
     names = {"cpu_graph", "openvino", "cuda_graph", "npu_graph", "torchair"}
-    assert set(runner_selection.RUNNERS) == names
+    assert set(registry.RUNNERS) == names
 
 
 def test_cpu_passes_the_device_check():
-    check_device(ServerArgs(device="cpu"))
+    check_device("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_requested_without_cuda_is_a_clear_error():
     with pytest.raises(RuntimeError) as info:
-        check_device(ServerArgs(device="cuda"))
+        check_device("cuda")
     msg = str(info.value)
     assert "torch.cuda.is_available() is False" in msg and "--device cpu" in msg
 
@@ -79,7 +81,7 @@ def test_npu_requested_here_fails_fast_naming_cann_and_torch_npu():
     if "torch_npu" in sys.modules:
         pytest.skip("torch_npu is importable here")
     with pytest.raises(RuntimeError) as info:
-        check_device(ServerArgs(device="npu"))
+        check_device("npu")
     _assert_npu_message(str(info.value))
     assert "torch_npu" not in sys.modules
 
@@ -131,7 +133,7 @@ def test_vendor_packages_are_never_imported_for_cpu(tiny_llama_dir):
     code = (
         "import sys\n"
         "from airserve.srt.model_executor.model_runner import ModelRunner\n"
-        "from airserve.srt.model_executor import runner_selection, graph_runner\n"
+        "from airserve.srt.model_executor.graph_runners import registry, base\n"
         "from airserve.srt.server_args import ServerArgs\n"
         f"ModelRunner(ServerArgs(model_path={tiny_llama_dir!r}, max_total_tokens=256))\n"
         "bad = [m for m in ('torch_npu', 'torchair', 'openvino') if m in sys.modules]\n"
@@ -141,9 +143,9 @@ def test_vendor_packages_are_never_imported_for_cpu(tiny_llama_dir):
 
 
 def test_missing_runner_module_is_a_clear_error(monkeypatch, tiny_llama_dir):
-    monkeypatch.setitem(runner_selection.RUNNERS, "openvino",
+    monkeypatch.setitem(registry.RUNNERS, "openvino",
                         ("airserve.srt.model_executor.no_such_runner", "OpenVINORunner"))
-    fake_runner = types.SimpleNamespace(server_args=ServerArgs(
+    fake_runner = types.SimpleNamespace(runner_config=config(
         enable_torch_compile=True, torch_compile_backend="openvino"))
     with pytest.raises(RuntimeError, match="OpenVINORunner.*drop --enable-torch-compile"):
-        runner_selection.create_graph_runner(fake_runner)
+        registry.create_graph_runner(fake_runner)

@@ -1,7 +1,6 @@
 """Start `python -m airserve.launch_server` in a subprocess on a free loopback port.
 
-Shared by the end-to-end tests (test/srt/entrypoints, test/bench); test/conftest.py puts this
-directory on sys.path.
+Shared by the end-to-end tests (test/srt/entrypoints, test/bench).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -26,6 +26,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Callable[[], str],
+                 poll_s: float = 0.1) -> bool:
+    """True once `url`/health answers 200, False after `timeout` s; raises with the server's
+    log (`log()`) if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=max(poll_s, 1.0)).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
 
 
 class ServerProcess:
@@ -50,18 +67,10 @@ class ServerProcess:
             return f.read()
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        if not wait_healthy(self.proc, self.url, timeout, self.log):
+            self.stop()
+            raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        return self
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0, **kwargs)

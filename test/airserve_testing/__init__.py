@@ -1,0 +1,12 @@
+"""Helpers shared by airserve's tests: tiny models built in code, a decode driver, a server
+process, reference kernels. Importable as `airserve_testing` (pytest's `pythonpath = ["test"]`)."""
+
+from airserve_testing.decode_driver import (
+    Requests,
+    make_runner,
+    random_prompts,
+    run_side_by_side,
+    zero_kv,
+)
+
+__all__ = ["Requests", "make_runner", "random_prompts", "run_side_by_side", "zero_kv"]
