@@ -38,6 +38,9 @@ class ServerArgs:
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
+    # Activations of those packed products: "int8" (quantized per block of 32, integer dot
+    # products; passed the fidelity check, benchmark/kernels/fidelity.py) or "float32" (exact).
+    cpu_decode_activations: str = "int8"
 
     # Graph runners.
     enable_torch_compile: bool = False
@@ -106,6 +109,9 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
+        if self.cpu_decode_activations not in ("float32", "int8"):
+            raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
+                             "choose float32 or int8")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
         if self.max_prefill_tokens < 1:
@@ -215,6 +221,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")
+    g.add_argument("--cpu-decode-activations", choices=("float32", "int8"),
+                   default=d.cpu_decode_activations,
+                   help="activations of the packed decode products: int8 (integer dot "
+                        "products, VNNI where the CPU has it) or float32 (exact)")
 
     g = parser.add_argument_group("graph runners")
     g.add_argument("--enable-torch-compile", action="store_true")

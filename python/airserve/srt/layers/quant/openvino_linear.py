@@ -101,6 +101,8 @@ class OpenVINOLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# Block kinds OpenVINO keeps compressed (u4 / i8); layers of other kinds keep their Linear.
+OPENVINO_KINDS = ("q4_1", "q8_0")
 # Modules whose projections of one input can run as one product: attribute for the merged
 # layer -> the layers it replaces, in the order of its output columns.
 MERGEABLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -124,7 +126,7 @@ def _merge_projections(module: nn.Module, zero_point: bool) -> list[nn.Module]:
         if not hasattr(module, attr) or getattr(module, attr) is not None:
             continue
         layers = [getattr(module, n, None) for n in names]
-        if not all(isinstance(m, Linear) and m.packed is not None for m in layers):
+        if not all(isinstance(m, Linear) and m.packed_kind in OPENVINO_KINDS for m in layers):
             continue
         packed = merge_packed([m.packed for m in layers])
         biases = [m.bias for m in layers]
@@ -150,7 +152,7 @@ def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn
     for name, module in list(clone.named_modules()):
         if id(module) in merged:
             continue  # served by its merged layer
-        if isinstance(module, Linear) and module.packed is not None:
+        if isinstance(module, Linear) and module.packed_kind in OPENVINO_KINDS:
             parent, _, child = name.rpartition(".")
             owner = clone.get_submodule(parent) if parent else clone
             setattr(owner, child, OpenVINOLinear(module.packed, module.bias, zero_point))
