@@ -186,3 +186,28 @@ def random_packed(kind: str, n: int, k: int, seed: int = 0, flat_block: bool = F
         d[0, 0] = 0
     return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
                                             dtype=torch.uint8), d, m)
+
+
+# Byte offsets of the fp16 scales inside one raw block, so random blocks get finite scales.
+RAW_F16_OFFSETS = {"q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def random_raw_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """Random GGML blocks (every bit pattern, fp16 scales ~0.01) of a [n, k] weight of one of
+    block_matvec.RAW_KINDS, as the loader keeps them: raw bytes, one row per output row."""
+    from airserve.srt.layers.quant.block_matvec import RAW_KINDS
+
+    values, nbytes = RAW_KINDS[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // values, nbytes), dtype=np.uint8)
+    for off in RAW_F16_OFFSETS[kind]:
+        scale = rng.normal(0, 0.01, size=(blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8)
+    return PackedWeight(kind, torch.from_numpy(blocks.reshape(n, -1)), None, None)
+
+
+def any_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """Random blocks of any kind the packed kernels take."""
+    if kind in ("q4_1", "q8_0"):
+        return random_packed(kind, n, k, seed)
+    return random_raw_packed(kind, n, k, seed)
