@@ -310,8 +310,8 @@ class GGUFCheckpoint:
             if packed is None:
                 continue
             kind, *parts = packed
-            qs, d, m = (None if a is None else
-                        torch.from_numpy(np.ascontiguousarray(self._unpermute(name, a)))
+            # np.array copies: raw blocks would otherwise be views of the read-only mapping.
+            qs, d, m = (None if a is None else torch.from_numpy(np.array(self._unpermute(name, a)))
                         for a in parts)
             yield name, PackedWeight(kind, qs, d, m)
 
