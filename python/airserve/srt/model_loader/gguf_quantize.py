@@ -108,3 +108,58 @@ def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
 
     return gguf.quants.quantize(np.asarray(x, np.float32),
                                 gguf.GGMLQuantizationType[type_name])
+
+
+# Requantization schemes named like llama.cpp's file types: (type of most linear weights, type
+# of attn_v and ffn_down, which the "_M" mixes give more bits; llama.cpp gives them to about
+# half of the ffn_down layers, here to all). Rows that are not a multiple of 256 values take the
+# 32-value type llama.cpp falls back to (`K_FALLBACK`).
+SCHEMES = {
+    "Q4_K_M": ("Q4_K", "Q6_K"),
+    "Q5_K_M": ("Q5_K", "Q6_K"),
+    "Q6_K": ("Q6_K", "Q6_K"),
+    "Q5_0": ("Q5_0", "Q5_0"),
+    "Q5_1": ("Q5_1", "Q5_1"),
+    "Q8_0": ("Q8_0", "Q8_0"),
+}
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def scheme_type(scheme: str, name: str, k: int) -> str:
+    """The GGML type `scheme` stores the [N, k] weight of layer `name` (HF naming) as."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    main, more = SCHEMES[scheme]
+    t = more if name.endswith(("v_proj", "down_proj")) else main
+    return K_FALLBACK[t] if t in K_FALLBACK and k % QK_K else t
+
+
+def requantize_linears(model, scheme: str, max_rows: int, activations: str) -> dict[str, int]:
+    """Store every linear layer of `model` that has a float weight (a shared embedding/lm_head
+    keeps its blocks) as `scheme` blocks for the packed kernels, dropping the float weight
+    where the type is a blocks-only one. Returns {GGML type: layers}."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant.block_matvec import PackedWeight
+    from airserve.srt.model_loader.gguf_dequant import RAW_TYPES, pack_blocks
+
+    shared = {id(p) for n, m in model.named_modules() if not isinstance(m, Linear)
+              for p in m.parameters(recurse=False)}
+    counts: dict[str, int] = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in shared:
+            continue
+        n, k = layer.weight.shape
+        t = scheme_type(scheme, name, k)
+        raw = quantize(layer.weight.detach().float().numpy(), t).reshape(-1)
+        kind, *parts = pack_blocks(raw, int(GGMLQuantizationType[t]), (n, k))
+        qs, d, m = (None if a is None else torch.from_numpy(np.array(a)) for a in parts)
+        packed = PackedWeight(kind, qs, d, m)
+        if t not in RAW_TYPES:  # the float copy must hold the new values too
+            with torch.no_grad():
+                layer.weight.copy_(packed.dequantize())
+        layer.attach_packed(packed, max_rows, activations, drop_weight=t in RAW_TYPES)
+        counts[t] = counts.get(t, 0) + 1
+    return counts
