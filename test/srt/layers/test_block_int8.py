@@ -130,3 +130,16 @@ def test_linear_without_float_weight(activations: str) -> None:
     assert layer.weight_bytes(9) == w.nbytes
     with pytest.raises(ValueError, match="drop_weight needs max_rows"):
         Linear(256, 40).attach_packed(w, 0, drop_weight=True)
+
+
+def test_packed_report_names_activations_and_instruction_set() -> None:
+    from airserve.srt.layers.linear import packed_report
+
+    a, b = Linear(256, 8), Linear(256, 8)
+    a.attach_packed(any_packed("q4_k", 8, 256), 4, "int8", drop_weight=True)
+    b.attach_packed(any_packed("q8_0", 8, 256), 4, "int8")
+    report = packed_report([a, b, Linear(256, 8)])
+    assert report == {"cpu_decode_activations": "int8", "blocks_only_layers": 1,
+                      "int8_isa": block_matvec.int8_isa()}
+    b.packed_activations = "float32"
+    assert packed_report([a, b])["cpu_decode_activations"] == ["float32", "int8"]

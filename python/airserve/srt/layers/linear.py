@@ -85,3 +85,17 @@ class Linear(nn.Linear):
             outs.append(F.linear(x, w.to(x.dtype)))
         out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return out if self.bias is None else out + self.bias
+
+
+def packed_report(layers: list[Linear]) -> dict:
+    """What /get_server_info's decode_kernels adds about the packed products of `layers`: the
+    activations they use, the int8 instruction set, and how many hold no float32 weight."""
+    from airserve.srt.layers.quant.block_matvec import int8_isa
+
+    packed = [m for m in layers if m.packed_kind and m.packed_max_rows]
+    activations = sorted({m.packed_activations for m in packed})
+    report = {"cpu_decode_activations": activations[0] if len(activations) == 1 else activations,
+              "blocks_only_layers": sum(m.weight is None for m in packed)}
+    if "int8" in activations:
+        report["int8_isa"] = int8_isa()
+    return report
