@@ -143,3 +143,22 @@ def test_packed_report_names_activations_and_instruction_set() -> None:
                       "int8_isa": block_matvec.int8_isa()}
     b.packed_activations = "float32"
     assert packed_report([a, b])["cpu_decode_activations"] == ["float32", "int8"]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
+    """Under torch.compile (fullgraph, inductor) the int8 product is one op of the graph."""
+    layer = Linear(256, 40, bias=False)
+    layer.attach_packed(any_packed(kind, 40, 256), 2, "int8", drop_weight=True)
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    x = torch.randn(2, 256)
+    out = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+    assert seen == [torch.ops.airserve.block_matmul_int8]
+    torch.testing.assert_close(out, layer(x))
+    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(inductor, layer(x))
