@@ -54,6 +54,9 @@ class OpenVINOLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
                  zero_point: bool = True) -> None:
         super().__init__()
+        if packed.kind not in OPENVINO_KINDS:
+            raise ValueError(f"OpenVINOLinear: unknown block kind {packed.kind!r} (OpenVINO "
+                             f"keeps {', '.join(OPENVINO_KINDS)} compressed)")
         self.kind = packed.kind
         self.out_features, self.in_features = packed.shape
         n, groups = self.out_features, self.in_features // BLOCK
@@ -61,7 +64,7 @@ class OpenVINOLinear(nn.Module):
         zp = m = None
         if packed.kind == "q8_0":
             q = packed.values()
-        elif packed.kind == "q4_1":
+        else:  # q4_1
             q = u4_pairs(packed.values())
             if zero_point:
                 # A block with d == 0 holds m 32 times: q = 0, scale 1, zero point -m.
@@ -72,8 +75,6 @@ class OpenVINOLinear(nn.Module):
                 d = torch.where(flat, 1.0, d)
             else:
                 m = packed.m.contiguous()  # float16 [N, K/32]
-        else:
-            raise ValueError(f"OpenVINOLinear: unknown block kind {packed.kind!r}")
         self.register_buffer("qs", q.contiguous())
         self.register_buffer("scale", d)  # float32 [N, K/32, 1]
         self.register_buffer("zp", zp)  # float32 [N, K/32, 1] or None
