@@ -141,6 +141,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                          "top1_agreement": agree, "weight_mib": mib,
                          "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE,
                          "seconds": time.perf_counter() - t0})
+            print(f"{scheme} int8 {isa}: top-1 {agree:.2%}, perplexity {ref_ppl:.3f} -> "
+                  f"{ppl:.3f}", flush=True)
         block_matvec.use_int8_isa("auto")
         del runner
     return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
