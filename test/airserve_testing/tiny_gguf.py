@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from airserve.srt.layers.quant.block_matvec import PackedWeight
+from airserve.srt.model_loader.gguf_quantize import quantize
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -43,9 +44,12 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def dims(arch: str) -> dict[str, int]:
+def dims(arch: str, wide: bool = False) -> dict[str, int]:
     # transformers' GGUF config for qwen3 ignores attention.key_length and keeps Qwen3's
-    # head_dim of 128, so the qwen3 file uses 128 too.
+    # head_dim of 128, so the qwen3 file uses 128 too. `wide`: every K a multiple of 256, for
+    # K-quants.
+    if wide:
+        return dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, head_dim=64)
     return dict(
         hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=128 if arch == "qwen3" else 16
     )
@@ -66,9 +70,10 @@ GGUF_NAMES = {
 }
 
 
-def hf_weights(arch: str, vocab: int, tied: bool) -> dict[str, torch.Tensor]:
+def hf_weights(arch: str, vocab: int, tied: bool, wide: bool = False
+               ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    d = dims(arch)
+    d = dims(arch, wide)
     q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     shapes = {
         "model.embed_tokens.weight": (vocab, d["hidden"]),
@@ -115,12 +120,13 @@ def gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True,
-                     qtypes: dict[str, T] | None = None) -> dict:
+                     qtypes: dict[str, T] | None = None, wide: bool = False) -> dict:
     """Write a 2-layer model the way llama.cpp's converter would; return the HF weights.
-    `qtypes` maps a name suffix (e.g. "q_proj.weight") to the GGML type to store it as."""
+    `qtypes` maps a name suffix (e.g. "q_proj.weight") to the GGML type to store it as (K-quants
+    need `wide`)."""
     tokens, types = tiny_vocab()
-    weights = hf_weights(arch, len(tokens), tied)
-    d = dims(arch)
+    weights = hf_weights(arch, len(tokens), tied, wide)
+    d = dims(arch, wide)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(d["layers"])
     w.add_context_length(256)
@@ -151,7 +157,7 @@ def write_tiny_gguf(path: str, arch: str, pre: str = "smollm", tied: bool = True
         a = t.numpy().astype(np.float32)
         qtype = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), None)
         if qtype is not None:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), quantize(a, qtype.name), raw_dtype=qtype)
         elif name.endswith(("q_proj.weight", "up_proj.weight")):
             w.add_tensor(gguf_name(name), gguf.quants.quantize(a, T.Q8_0), raw_dtype=T.Q8_0)
         elif "o_proj" in name:
@@ -172,6 +178,12 @@ PACKED_TYPES = {"q_proj.weight": T.Q4_1, "k_proj.weight": T.Q4_0, "v_proj.weight
                  "down_proj.weight": T.Q4_1, "embed_tokens.weight": T.Q8_0}
 
 
+# A Q4_K_M-like mix (llama.cpp gives attn_v and ffn_down more bits) plus every other packed type.
+K_QUANT_TYPES = {"q_proj.weight": T.Q4_K, "k_proj.weight": T.Q5_K, "v_proj.weight": T.Q6_K,
+                 "o_proj.weight": T.Q5_0, "gate_proj.weight": T.Q4_K, "up_proj.weight": T.Q5_1,
+                 "down_proj.weight": T.Q6_K, "embed_tokens.weight": T.Q8_0}
+
+
 def random_packed(kind: str, n: int, k: int, seed: int = 0, flat_block: bool = False
                   ) -> PackedWeight:
     """Random GGML blocks of a [n, k] weight: "q4_1" or "q8_0". `flat_block` makes the first
@@ -186,3 +198,28 @@ def random_packed(kind: str, n: int, k: int, seed: int = 0, flat_block: bool = F
         d[0, 0] = 0
     return PackedWeight(kind, torch.randint(0, 256, (n, k // 2), generator=g,
                                             dtype=torch.uint8), d, m)
+
+
+# Byte offsets of the fp16 scales inside one raw block, so random blocks get finite scales.
+RAW_F16_OFFSETS = {"q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def random_raw_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """Random GGML blocks (every bit pattern, fp16 scales ~0.01) of a [n, k] weight of one of
+    block_matvec.RAW_KINDS, as the loader keeps them: raw bytes, one row per output row."""
+    from airserve.srt.layers.quant.block_matvec import RAW_KINDS
+
+    values, nbytes = RAW_KINDS[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // values, nbytes), dtype=np.uint8)
+    for off in RAW_F16_OFFSETS[kind]:
+        scale = rng.normal(0, 0.01, size=(blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8)
+    return PackedWeight(kind, torch.from_numpy(blocks.reshape(n, -1)), None, None)
+
+
+def any_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """Random blocks of any kind the packed kernels take."""
+    if kind in ("q4_1", "q8_0"):
+        return random_packed(kind, n, k, seed)
+    return random_raw_packed(kind, n, k, seed)

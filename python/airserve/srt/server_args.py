@@ -65,6 +65,11 @@ class ServerArgs:
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
+    # Activations of those packed products: "float32" (exact) or "int8" (quantized per block of
+    # 32, integer dot products). float32 is the default: int8 missed the fidelity check
+    # (benchmark/kernels/fidelity.py: top-1 agreement 97.98% < 98% and perplexity +1.6% on the
+    # default Q4_1 model; test/srt/layers/test_fidelity.py ties the default to the check).
+    cpu_decode_activations: str = "float32"
 
     # Graph runners.
     enable_torch_compile: bool = False
@@ -137,6 +142,9 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
+        if self.cpu_decode_activations not in ("float32", "int8"):
+            raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
+                             "choose float32 or int8")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -278,6 +286,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")
+    g.add_argument("--cpu-decode-activations", choices=("float32", "int8"),
+                   default=d.cpu_decode_activations,
+                   help="activations of the packed decode products: int8 (integer dot "
+                        "products, VNNI where the CPU has it) or float32 (exact)")
 
     g = parser.add_argument_group("graph runners")
     g.add_argument("--enable-torch-compile", action="store_true")

@@ -30,7 +30,8 @@ from airserve_testing.tiny_gguf import (
 )
 
 # Byte offsets of the fp16 scales inside one block, so random blocks get finite scales.
-_F16_OFFSETS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [208]}
+_F16_OFFSETS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
+                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 
 
 def _random_raw(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -62,7 +63,8 @@ def test_dequantize_matches_gguf_reference(qtype: T) -> None:
 # qtype -> worst error allowed, as a fraction of each block's largest |x|.
 # Q4_0 clips one end to 7 steps of absmax / 8; Q4_1 rounds to half a step of (max - min) / 15;
 # the extra 1% covers the fp16 rounding of the scales.
-_ROUND_TRIP_TOL = {T.F16: 1e-3, T.BF16: 1e-2, T.Q8_0: 1 / 127, T.Q4_0: 1.01 / 8, T.Q4_1: 1.01 / 15}
+_ROUND_TRIP_TOL = {T.F16: 1e-3, T.BF16: 1e-2, T.Q8_0: 1 / 127, T.Q4_0: 1.01 / 8, T.Q4_1: 1.01 / 15,
+                   T.Q5_0: 1.01 / 16, T.Q5_1: 1.01 / 31}
 
 
 @pytest.mark.parametrize("qtype", list(_ROUND_TRIP_TOL), ids=lambda t: t.name)
@@ -79,8 +81,8 @@ def test_quantize_dequantize_round_trip(qtype: T) -> None:
 
 
 def test_dequantize_rejects_unsupported_type_and_bad_size() -> None:
-    with pytest.raises(ValueError, match=r"Q5_K.*supported types: F32, F16, Q4_0"):
-        dequantize(np.zeros(176, np.uint8), T.Q5_K, (256,))
+    with pytest.raises(ValueError, match=r"Q2_K.*supported types: F32, F16, Q4_0"):
+        dequantize(np.zeros(84, np.uint8), T.Q2_K, (256,))
     with pytest.raises(ValueError, match="needs 34 bytes"):
         dequantize(np.zeros(33, np.uint8), T.Q8_0, (32,))
 
@@ -340,7 +342,8 @@ def test_packed_decode_matches_float32_weights(tmp_path) -> None:
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
     path = str(tmp_path / "m.gguf")
     write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
-    base = ServerArgs(model_path=path, max_total_tokens=512, max_running_requests=8)
+    base = ServerArgs(model_path=path, max_total_tokens=512, max_running_requests=8,
+                      cpu_decode_activations="float32")
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
     packed = ModelRunner(base.replace(packed_decode_max_bs=2))
     layers = [m for m in packed.model.modules() if isinstance(m, Linear)]

@@ -1,8 +1,10 @@
 """airserve's C++ operators for the host CPU, built on first use and cached on disk by torch.
 
-`csrc/block_matvec.cpp` (products with GGUF block-quantized weights) and
-`csrc/decode_attention.cpp` (paged decode attention, float32) are compiled together for this
-CPU (-march=native). Their schemas are defined where they are used (`quant/block_matvec.py`,
+`csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights)
+and `csrc/decode_attention.cpp` (paged decode attention, float32) are compiled together for this
+CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
+and AVX2 through target options whatever this CPU is, and picks one at run time from the CPU's
+features. Their schemas are defined where they are used (`quant/block_matvec.py`,
 `attention/torch_native_backend.py`). Without a C++ compiler `available()` is False, says why
 once in the log, and the callers keep their plain-torch paths (the model runner reports which).
 """
@@ -17,7 +19,8 @@ import time
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("block_matvec.cpp", "decode_attention.cpp")
+SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp")
+HEADERS = ("block_unpack.h", "block_int8_rows.inc")  # included: part of the build name
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
 # on it forever. A real build of these sources takes well under this many seconds.
 STALE_LOCK_SECONDS = 300
@@ -35,6 +38,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _headers_tag(here: str) -> str:
+    """torch rebuilds when a listed source changes, not an included file: name them instead."""
+    digest = hashlib.sha1()
+    for header in HEADERS:
+        with open(os.path.join(here, header), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:8]
+
+
 def available() -> bool:
     """Build (first call in a fresh cache: ~15-30 s) and load the operators."""
     if "ok" in _state:
@@ -42,7 +54,7 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     here = os.path.join(os.path.dirname(__file__), "csrc")
-    name = f"airserve_cpu_kernels_{_cpu_tag()}"
+    name = f"airserve_cpu_kernels_{_cpu_tag()}_{_headers_tag(here)}"
     try:
         _remove_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         cpp_extension.load(

@@ -19,8 +19,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 2 + 16),
     3: ("Q4_1", 32, 2 + 2 + 16),
+    6: ("Q5_0", 32, 2 + 4 + 16),
+    7: ("Q5_1", 32, 2 + 2 + 4 + 16),
     8: ("Q8_0", 32, 2 + 32),
     12: ("Q4_K", QK_K, 2 + 2 + 12 + QK_K // 2),
+    13: ("Q5_K", QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     14: ("Q6_K", QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
     30: ("BF16", 1, 2),
 }
@@ -83,6 +86,24 @@ def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
     return _f16(blocks, 0) * q + _f16(blocks, 2)
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 qh (4 bytes per block, little-endian 32 bits) -> bit j of value j, as 0/16."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [n, 32]: bit j of the u32
+    return bits.astype(np.uint8) << 4
+
+
+def _dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
+    # block: d f16 | qh u8[4] | qs u8[16]; x = d * (q - 16), bit 4 of value j in bit j of qh
+    q = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).astype(np.float32) - 16.0
+    return _f16(blocks, 0) * q
+
+
+def _dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
+    # block: d f16 | m f16 | qh u8[4] | qs u8[16]; x = d * q + m
+    q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).astype(np.float32)
+    return _f16(blocks, 0) * q + _f16(blocks, 2)
+
+
 def _q4_k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack 12 bytes into eight 6-bit scales and eight 6-bit mins, each [n_blocks, 8]."""
     lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
@@ -100,6 +121,21 @@ def _dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
     # Each 32-byte chunk c of qs holds sub-block 2c in its low nibbles, 2c + 1 in its high.
     qs = blocks[:, 16:].reshape(n, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
+    x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
+    return x.reshape(n, QK_K)
+
+
+def _dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
+    # super-block: d f16 | dmin f16 | scales u8[12] | qh u8[32] | qs u8[128]; like Q4_K, with
+    # bit 4 of value l of sub-block j in bit j of qh[l].
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _q4_k_scales_mins(blocks[:, 4:16])
+    qh = blocks[:, 16:48].reshape(n, 1, 32)
+    qs = blocks[:, 48:].reshape(n, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = (low | (high << 4)).astype(np.float32)
     x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
     return x.reshape(n, QK_K)
 
@@ -128,7 +164,10 @@ _BLOCK_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q8_0": _dequant_q8_0,
     "Q4_0": _dequant_q4_0,
     "Q4_1": _dequant_q4_1,
+    "Q5_0": _dequant_q5_0,
+    "Q5_1": _dequant_q5_1,
     "Q4_K": _dequant_q4_k,
+    "Q5_K": _dequant_q5_k,
     "Q6_K": _dequant_q6_k,
 }
 
@@ -161,18 +200,23 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | list[in
     return out.reshape(shape)
 
 
-# Types whose blocks `pack_blocks` keeps as they are, for the decode kernels of
-# airserve.srt.layers.quant.block_matvec (Q4_0 is carried as Q4_1 with m = -8 d, exact in fp16).
-PACKABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Types whose blocks `pack_blocks` keeps, for the decode kernels of
+# airserve.srt.layers.quant.block_matvec: Q4_0 (carried as Q4_1 with m = -8 d, exact in fp16),
+# Q4_1 and Q8_0 split into values and scales; the others (`RAW_TYPES`) as the file's bytes.
+RAW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+PACKABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0", *RAW_TYPES)
 
 
 def pack_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | list[int]):
-    """A 2-D Q4_0/Q4_1/Q8_0 tensor's blocks split into (kind, qs, d, m) numpy arrays with one
-    row per output row ([N, ...]), or None for other types. `shape` is numpy order [N, K]."""
+    """A 2-D tensor of a `PACKABLE_TYPES` type as (kind, qs, d, m) numpy arrays with one row per
+    output row ([N, ...]; d and m None for `RAW_TYPES`, whose qs rows are the raw blocks), or None
+    for other types. `shape` is numpy order [N, K]."""
     name, block_size, type_size = _block_layout(ggml_type)
     if name not in PACKABLE_TYPES or len(shape) != 2:
         return None
     rows = int(shape[0])
+    if name in RAW_TYPES:
+        return name.lower(), raw.reshape(rows, -1), None, None
     blocks = raw.reshape(rows, -1, type_size)
 
     def f16(start: int) -> np.ndarray:

@@ -285,25 +285,33 @@ class GGUFCheckpoint:
             return unpermute_qk(rows, self.config["num_key_value_heads"])
         return rows
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, float32 tensor)` in file order, Q/K un-permuted for llama."""
+    def tensors(self, skip: frozenset[str] | set[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, float32 tensor)` in file order, Q/K un-permuted for llama; the names
+        in `skip` are neither read nor yielded."""
         for name, info, raw in self._raw_tensors():
+            if name in skip:
+                continue
             try:
                 w = dequantize(raw, info.ggml_type, info.shape)
             except ValueError as e:
                 raise ValueError(f"{self.path}: tensor {info.name}: {e}") from e
             yield name, torch.from_numpy(np.ascontiguousarray(self._unpermute(name, w)))
 
-    def packed_tensors(self) -> Iterator[tuple[str, PackedWeight]]:
-        """Yield `(hf_name, PackedWeight)` for the 2-D Q4_0/Q4_1/Q8_0 tensors, blocks kept as
-        stored (rows un-permuted like `tensors()`), for the block-quantized decode kernels."""
+    def packed_tensors(self, types: tuple[str, ...] | None = None
+                       ) -> Iterator[tuple[str, PackedWeight]]:
+        """Yield `(hf_name, PackedWeight)` for the 2-D tensors of a `PACKABLE_TYPES` type (or
+        of `types`, GGML names such as "Q4_K"), blocks kept as stored (rows un-permuted like
+        `tensors()`), for the block-quantized decode kernels."""
         for name, info, raw in self._raw_tensors():
+            if types is not None and ggml_type_name(info.ggml_type) not in types:
+                continue
             packed = pack_blocks(raw, info.ggml_type, info.shape)
             if packed is None:
                 continue
             kind, *parts = packed
-            qs, d, m = (None if a is None else
-                        torch.from_numpy(np.ascontiguousarray(self._unpermute(name, a)))
+            # np.array copies: raw blocks would otherwise be views of the read-only mapping.
+            qs, d, m = (None if a is None else torch.from_numpy(np.array(self._unpermute(name, a)))
                         for a in parts)
             yield name, PackedWeight(kind, qs, d, m)
 

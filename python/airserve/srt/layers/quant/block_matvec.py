@@ -1,4 +1,4 @@
-"""Decode-time products with GGML block-quantized weights (Q4_0/Q4_1, Q8_0), kept packed.
+"""Decode-time products with GGML block-quantized weights, kept packed.
 
 A GGUF model's linear weights are read from the file as blocks of 32 values with fp16 scales.
 Besides the float32 copy that prefill uses, a `PackedWeight` keeps those blocks as they are, and
@@ -6,6 +6,11 @@ Besides the float32 copy that prefill uses, a `PackedWeight` keeps those blocks 
 (`csrc/block_matvec.cpp`, built on first use): a step reads about a quarter of the float32
 bytes. The operators compute in float32 from the exact block values, so they equal `x @ w.T`
 with the dequantized weights up to summation order.
+
+Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KINDS`) is held as
+the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
+with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
+products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time).
 
 If the operators cannot be built (no C++ compiler), `kernels_available()` says why once in the
 log and the model keeps using its float32 weights; the model runner reports which path it uses.
@@ -23,6 +28,15 @@ MAX_ROWS = 16  # the operators unpack a weight block once for at most this many 
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("q4_1_matmul(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q8_0_matmul(Tensor x, Tensor qs, Tensor d) -> Tensor")
+_lib.define("block_matmul_int8(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
+_lib.define("block_matmul_f32(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
+_lib.define("dequantize_blocks(str kind, Tensor qs, Tensor? d, Tensor? m, int K) -> Tensor")
+
+# kind -> (values per block, bytes per block) of the kinds kept as raw GGUF blocks.
+RAW_KINDS = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176),
+             "q6_k": (256, 210)}
+KINDS = ("q4_1", "q8_0", *RAW_KINDS)
+ACTIVATIONS = ("float32", "int8")
 
 
 @torch.library.register_fake("airserve::q4_1_matmul")
@@ -35,23 +49,42 @@ def _q8_0_fake(x, qs, d):
     return x.new_empty(x.shape[0], qs.shape[0])
 
 
+@torch.library.register_fake("airserve::block_matmul_int8")
+def _int8_fake(x, kind, qs, d, m):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("airserve::block_matmul_f32")
+def _f32_fake(x, kind, qs, d, m):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("airserve::dequantize_blocks")
+def _dequantize_fake(kind, qs, d, m, K):
+    return qs.new_empty(qs.shape[0], K, dtype=torch.float32)
+
+
 @dataclass
 class PackedWeight:
     """A [N, K] weight in GGML blocks of 32 along K.
 
     kind "q4_1": qs uint8 [N, K/2] (byte j of a block: value j low nibble, value j+16 high),
     d and m float16 [N, K/32], value = d * q + m. kind "q8_0": qs int8 [N, K], d float16
-    [N, K/32], m None, value = d * q.
+    [N, K/32], m None, value = d * q. `RAW_KINDS`: qs uint8 [N, K / values * bytes], the GGUF
+    blocks of each row as stored; d and m None.
     """
 
     kind: str
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
 
     @property
     def shape(self) -> tuple[int, int]:
         n = self.qs.shape[0]
+        if self.kind in RAW_KINDS:
+            values, nbytes = RAW_KINDS[self.kind]
+            return (n, self.qs.shape[1] // nbytes * values)
         return (n, self.qs.shape[1] * (2 if self.kind == "q4_1" else 1))
 
     @property
@@ -61,7 +94,9 @@ class PackedWeight:
 
     def values(self) -> torch.Tensor:
         """The integer values q of every block in K order: [N, K/32, 32], uint8 (q4_1, 0..15)
-        or int8 (q8_0)."""
+        or int8 (q8_0). Not defined for `RAW_KINDS`."""
+        if self.kind in RAW_KINDS:
+            raise ValueError(f"values() is for q4_1 / q8_0 blocks, not {self.kind}")
         n = self.qs.shape[0]
         if self.kind == "q8_0":
             return self.qs.view(n, -1, BLOCK)
@@ -69,7 +104,11 @@ class PackedWeight:
         return torch.cat([q & 15, q >> 4], dim=-1)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], the reference the operators are tested against."""
+        """float32 [N, K], the reference the operators are tested against (`RAW_KINDS`: the
+        C++ operator, itself checked against gguf's numpy dequantization)."""
+        if self.kind in RAW_KINDS:
+            return torch.ops.airserve.dequantize_blocks(self.kind, self.qs, None, None,
+                                                        self.shape[1])
         n = self.qs.shape[0]
         w = self.values().float() * self.d.float().unsqueeze(-1)
         if self.m is not None:
@@ -77,17 +116,40 @@ class PackedWeight:
         return w.reshape(n, -1)
 
 
-def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor,
-                 m: torch.Tensor | None) -> torch.Tensor:
+def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor | None,
+                 m: torch.Tensor | None, activations: str = "float32") -> torch.Tensor:
     """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(weight).T, for the weight
-    whose `PackedWeight` fields are (kind, qs, d, m)."""
+    whose `PackedWeight` fields are (kind, qs, d, m). activations "float32": exact block values
+    times x in float32; "int8": x quantized per block of 32, integer dot products."""
+    if activations == "int8":
+        return torch.ops.airserve.block_matmul_int8(x, kind, qs, d, m)
     if kind == "q4_1":
         return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
-    return torch.ops.airserve.q8_0_matmul(x, qs, d)
+    if kind == "q8_0":
+        return torch.ops.airserve.q8_0_matmul(x, qs, d)
+    return torch.ops.airserve.block_matmul_f32(x, kind, qs, d, m)
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    return block_matmul(x, w.kind, w.qs, w.d, w.m)
+def packed_linear(x: torch.Tensor, w: PackedWeight, activations: str = "float32"
+                  ) -> torch.Tensor:
+    return block_matmul(x, w.kind, w.qs, w.d, w.m, activations)
+
+
+def int8_isas() -> list[str]:
+    """Instruction sets the int8 products can use on this CPU, best first (the first is used
+    unless `use_int8_isa` narrowed it)."""
+    return list(torch.ops.airserve_isa.int8_isas())
+
+
+def int8_isa() -> str:
+    """The instruction set the int8 products use now."""
+    return str(torch.ops.airserve_isa.int8_isa())
+
+
+def use_int8_isa(name: str) -> str:
+    """Make the int8 products use `name` ("auto": the best this CPU has); tests and benchmarks
+    use it to run every path the CPU supports. Raises RuntimeError for one it lacks."""
+    return str(torch.ops.airserve_isa.set_int8_isa(name))
 
 
 def kernels_available() -> bool:

@@ -54,6 +54,9 @@ class OpenVINOLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
                  zero_point: bool = True) -> None:
         super().__init__()
+        if packed.kind not in OPENVINO_KINDS:
+            raise ValueError(f"OpenVINOLinear: unknown block kind {packed.kind!r} (OpenVINO "
+                             f"keeps {', '.join(OPENVINO_KINDS)} compressed)")
         self.kind = packed.kind
         self.out_features, self.in_features = packed.shape
         n, groups = self.out_features, self.in_features // BLOCK
@@ -61,7 +64,7 @@ class OpenVINOLinear(nn.Module):
         zp = m = None
         if packed.kind == "q8_0":
             q = packed.values()
-        elif packed.kind == "q4_1":
+        else:  # q4_1
             q = u4_pairs(packed.values())
             if zero_point:
                 # A block with d == 0 holds m 32 times: q = 0, scale 1, zero point -m.
@@ -72,8 +75,6 @@ class OpenVINOLinear(nn.Module):
                 d = torch.where(flat, 1.0, d)
             else:
                 m = packed.m.contiguous()  # float16 [N, K/32]
-        else:
-            raise ValueError(f"OpenVINOLinear: unknown block kind {packed.kind!r}")
         self.register_buffer("qs", q.contiguous())
         self.register_buffer("scale", d)  # float32 [N, K/32, 1]
         self.register_buffer("zp", zp)  # float32 [N, K/32, 1] or None
@@ -101,6 +102,8 @@ class OpenVINOLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# Block kinds OpenVINO keeps compressed (u4 / i8); layers of other kinds keep their Linear.
+OPENVINO_KINDS = ("q4_1", "q8_0")
 # Modules whose projections of one input can run as one product: attribute for the merged
 # layer -> the layers it replaces, in the order of its output columns.
 MERGEABLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -124,7 +127,7 @@ def _merge_projections(module: nn.Module, zero_point: bool) -> list[nn.Module]:
         if not hasattr(module, attr) or getattr(module, attr) is not None:
             continue
         layers = [getattr(module, n, None) for n in names]
-        if not all(isinstance(m, Linear) and m.packed is not None for m in layers):
+        if not all(isinstance(m, Linear) and m.packed_kind in OPENVINO_KINDS for m in layers):
             continue
         packed = merge_packed([m.packed for m in layers])
         biases = [m.bias for m in layers]
@@ -150,7 +153,7 @@ def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn
     for name, module in list(clone.named_modules()):
         if id(module) in merged:
             continue  # served by its merged layer
-        if isinstance(module, Linear) and module.packed is not None:
+        if isinstance(module, Linear) and module.packed_kind in OPENVINO_KINDS:
             parent, _, child = name.rpartition(".")
             owner = clone.get_submodule(parent) if parent else clone
             setattr(owner, child, OpenVINOLinear(module.packed, module.bias, zero_point))

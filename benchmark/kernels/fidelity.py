@@ -1,0 +1,190 @@
+"""Fidelity of the packed decode kernels: int8 activations against the exact float32 path.
+
+For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
+requantizing its dequantized weights: `gguf_quantize.SCHEMES`), the text (~2,000 tokens of the
+packaged GSM8K) is split into `--batch` sequences and fed teacher-forced through decode steps,
+so every linear layer runs in the packed kernels. Per configuration it reports top-1 agreement
+with the float32-activation run on the same weights, and both perplexities.
+Pass: agreement >= 98% and perplexity within 1%.
+
+    python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import time
+
+import torch
+
+MIN_AGREEMENT = 0.98
+MAX_PPL_CHANGE = 0.01
+DEFAULT_SCHEMES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def packaged_text(n_chars: int = 20000) -> str:
+    """GSM8K questions and answers from the packaged data, ~n_chars characters."""
+    from airserve.benchmark.datasets import load_gsm8k
+
+    parts, size = [], 0
+    for row in load_gsm8k():
+        parts.append(f"Question: {row['question']}\nAnswer: {row['answer']}\n\n")
+        size += len(parts[-1])
+        if size >= n_chars:
+            break
+    return "".join(parts)
+
+
+def make_runner(scheme: str, activations: str, batch: int, seq_len: int):
+    """A ModelRunner over the default model with its linear layers in `scheme` blocks."""
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.model_loader.gguf_quantize import requantize_linears
+    from airserve.srt.model_loader.loader import load_model
+    from airserve.srt.server_args import ServerArgs
+
+    args = ServerArgs(max_total_tokens=batch * (seq_len + 8), max_running_requests=batch,
+                      packed_decode_max_bs=batch, cpu_decode_activations=activations)
+    cfg, model = load_model(None, "float32", "cpu", None, batch, False, activations)
+    if scheme != "Q4_1":
+        requantize_linears(model, scheme, batch, activations)
+    return ModelRunner(args, model_config=cfg, model=model)
+
+
+def set_activations(model: torch.nn.Module, activations: str) -> int:
+    """Switch every packed layer's products to `activations`; returns how many layers."""
+    from airserve.srt.layers.linear import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_max_rows]
+    for m in layers:
+        m.packed_activations = activations
+    return len(layers)
+
+
+def weight_mib(model: torch.nn.Module) -> float:
+    """MiB of distinct tensor storage held by the model's parameters and buffers."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t is None or t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total / 2**20
+
+
+@torch.inference_mode()
+def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed `seqs` (equal lengths) one token per decode step. Returns the greedy token and the
+    log-probability of the true next token at every position but the last: [bs, len - 1]."""
+    from airserve.srt.model_executor.forward_batch import ForwardMode
+
+    alloc, pool = runner.allocator, runner.req_to_token_pool
+    slots = [pool.allocate() for _ in seqs]
+    top1, logp = [], []
+    for pos in range(len(seqs[0]) - 1):
+        locs = torch.cat([alloc.allocate(s, pos, pos + 1) for s in slots])
+        ids = [s[pos] for s in seqs]
+        if pos == 0:  # a one-token prefill per sequence
+            fb = runner.make_forward_batch(
+                ForwardMode.EXTEND, input_ids=ids, positions=[0] * len(seqs),
+                req_pool_indices=slots, seq_lens=[1] * len(seqs), out_cache_loc=locs,
+                extend_seq_lens=[1] * len(seqs), extend_prefix_lens=[0] * len(seqs),
+                last_token_indices=list(range(len(seqs))))
+        else:
+            fb = runner.make_forward_batch(
+                ForwardMode.DECODE, input_ids=ids, positions=[pos] * len(seqs),
+                req_pool_indices=slots, seq_lens=[pos + 1] * len(seqs), out_cache_loc=locs)
+        logits = runner.forward(fb).float()
+        nxt = torch.tensor([s[pos + 1] for s in seqs])
+        top1.append(logits.argmax(-1))
+        logp.append(torch.log_softmax(logits, -1).gather(1, nxt[:, None])[:, 0])
+    for s in slots:
+        alloc.free(s, len(seqs[0]) - 1)
+        pool.free(s)
+    return torch.stack(top1, 1), torch.stack(logp, 1)
+
+
+def split(tokens: list[int], batch: int) -> list[list[int]]:
+    n = len(tokens) // batch
+    return [tokens[i * n:(i + 1) * n] for i in range(batch)]
+
+
+def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None = None) -> dict:
+    """Run every scheme with float32 and int8 activations (int8 on each of `isas`, default:
+    the best this CPU has); returns the report."""
+    from airserve.srt.layers.quant import block_matvec
+    from airserve.srt.model_loader.loader import default_model_path
+    from airserve.srt.tokenizer import get_tokenizer
+
+    tokens = list(get_tokenizer(default_model_path()).encode(packaged_text()))[:n_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    seqs = split(tokens, batch)
+    rows = []
+    for scheme in schemes:
+        t0 = time.perf_counter()
+        runner = make_runner(scheme, "float32", batch, len(seqs[0]))
+        ref_top1, ref_logp = teacher_forced(runner, seqs)
+        ref_ppl = math.exp(-ref_logp.mean().item())
+        mib = weight_mib(runner.model)
+        set_activations(runner.model, "int8")
+        for isa in isas or [block_matvec.int8_isas()[0]]:
+            block_matvec.use_int8_isa(isa)
+            top1, logp = teacher_forced(runner, seqs)
+            ppl = math.exp(-logp.mean().item())
+            agree = (top1 == ref_top1).float().mean().item()
+            change = abs(ppl / ref_ppl - 1)
+            rows.append({"scheme": scheme, "isa": isa, "tokens": int(top1.numel()),
+                         "ppl_float32": ref_ppl, "ppl_int8": ppl, "ppl_change": change,
+                         "top1_agreement": agree, "weight_mib": mib,
+                         "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE,
+                         "seconds": time.perf_counter() - t0})
+            print(f"{scheme} int8 {isa}: top-1 {agree:.2%}, perplexity {ref_ppl:.3f} -> "
+                  f"{ppl:.3f}", flush=True)
+        block_matvec.use_int8_isa("auto")
+        del runner
+    return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "passed": all(r["passed"] for r in rows)}
+
+
+def print_table(report: dict) -> None:
+    print(f"{'type':8} {'isa':12} {'tokens':>6} {'ppl f32':>8} {'ppl int8':>8} {'change':>7} "
+          f"{'top-1':>6} {'weights':>9}  pass")
+    for r in report["rows"]:
+        print(f"{r['scheme']:8} {r['isa']:12} {r['tokens']:6d} {r['ppl_float32']:8.3f} "
+              f"{r['ppl_int8']:8.3f} {r['ppl_change']:7.2%} {r['top1_agreement']:6.2%} "
+              f"{r['weight_mib']:6.0f} MiB  {'yes' if r['passed'] else 'NO'}")
+    print(f"thresholds: top-1 agreement >= {MIN_AGREEMENT:.0%}, perplexity within "
+          f"{MAX_PPL_CHANGE:.0%}; peak RSS {report['peak_rss_mib']:.0f} MiB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=8, help="sequences decoded side by side")
+    p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
+    p.add_argument("--all-isas", action="store_true",
+                   help="int8 on every instruction set this CPU has, not only the best")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the report here")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from airserve.srt.layers.quant import block_matvec
+
+    if not block_matvec.kernels_available():
+        raise SystemExit(f"the packed kernels did not build: {block_matvec.unavailable_reason()}")
+    report = check(a.schemes, a.tokens, a.batch,
+                   block_matvec.int8_isas() if a.all_isas else None)
+    print_table(report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    raise SystemExit(0 if report["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

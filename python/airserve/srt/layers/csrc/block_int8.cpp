@@ -1,0 +1,368 @@
+// Products of activations with GGML block weights of every kind airserve keeps packed, for
+// decode (at most 16 rows), and their dequantization for larger batches.
+//
+//   block_matmul_int8: each row of x is quantized to int8 per block of 32 (scale xd = max|x|/127,
+//     and xs = xd * sum(q) for the kinds with a minimum), then multiplied with the weight's
+//     integer values by integer dot products: AVX-512 VNNI, AVX-VNNI, AVX2 (maddubs + madd) or
+//     portable C++, chosen at run time from the CPU's features (all four are compiled on every
+//     x86 machine through target options; set_int8_isa narrows the choice for tests).
+//   block_matmul_f32: float32 activations times the exact block values (the kinds other than
+//     q4_1 / q8_0, which block_matvec.cpp serves).
+//   dequantize_blocks: float32 [N, K] values, for batches above the packed limit.
+// Weight forms: q4_1 / q8_0 as split tensors (qs, d, m; see block_matvec.cpp); q5_0, q5_1,
+// q4_k, q5_k, q6_k as the GGUF blocks' raw bytes, uint8 [N, K / values_per_block * bytes].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define AIRSERVE_X86 1
+#endif
+
+#include "block_unpack.h"
+
+namespace {
+
+using airserve_blocks::Kind;
+
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kGrain = 32;  // output rows per parallel task, at least
+
+// The weight and the quantized activations of one product.
+struct Int8Job {
+  Kind kind;
+  const uint8_t* qs;
+  int64_t qs_stride;  // bytes per weight row
+  const at::Half* d;
+  const at::Half* m;
+  int64_t K, N, nb;  // nb = K / 32
+  const int8_t* xq;  // [M, K]
+  const float* xd;   // [M, nb]
+  const float* xs;   // [M, nb]
+  float* out;        // [M, N]
+  airserve_blocks::Row row(int64_t n) const {
+    return {kind, qs + n * qs_stride, d ? d + n * nb : nullptr, m ? m + n * nb : nullptr};
+  }
+};
+
+}  // namespace
+
+// One copy of the product loop per instruction set (block_int8_rows.inc).
+namespace isa_scalar {
+using ::Int8Job;
+#define AIRSERVE_ISA_SCALAR 1
+#include "block_int8_rows.inc"
+#undef AIRSERVE_ISA_SCALAR
+}  // namespace isa_scalar
+
+#if defined(AIRSERVE_X86) && defined(__GNUC__) && !defined(__clang__)
+#define AIRSERVE_HAS_SIMD 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+using ::Int8Job;
+#define AIRSERVE_ISA_AVX2 1
+#include "block_int8_rows.inc"
+#undef AIRSERVE_ISA_AVX2
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+#if __GNUC__ >= 11  // the first GCC that knows AVX-VNNI
+#define AIRSERVE_HAS_AVX_VNNI 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace isa_avx_vnni {
+using ::Int8Job;
+#define AIRSERVE_ISA_AVX_VNNI 1
+#include "block_int8_rows.inc"
+#undef AIRSERVE_ISA_AVX_VNNI
+}  // namespace isa_avx_vnni
+#pragma GCC pop_options
+#endif
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace isa_avx512_vnni {
+using ::Int8Job;
+#define AIRSERVE_ISA_AVX512_VNNI 1
+#include "block_int8_rows.inc"
+#undef AIRSERVE_ISA_AVX512_VNNI
+}  // namespace isa_avx512_vnni
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// Instruction sets, best first. Index into this table is what g_isa holds.
+const char* const kIsaNames[] = {"avx512_vnni", "avx_vnni", "avx2", "scalar"};
+using RunFn = void (*)(const Int8Job&, int64_t, int64_t, int64_t);
+
+bool isa_supported(int isa) {
+#if defined(AIRSERVE_HAS_SIMD)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case 0:
+      return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw");
+#if defined(AIRSERVE_HAS_AVX_VNNI)
+    case 1: return avx2 && __builtin_cpu_supports("avxvnni");
+#endif
+    case 2: return avx2;
+    default: break;
+  }
+#endif
+  return isa == 3;
+}
+
+RunFn isa_fn(int isa) {
+  switch (isa) {
+#if defined(AIRSERVE_HAS_SIMD)
+    case 0: return isa_avx512_vnni::run;
+#if defined(AIRSERVE_HAS_AVX_VNNI)
+    case 1: return isa_avx_vnni::run;
+#endif
+    case 2: return isa_avx2::run;
+#endif
+    default: return isa_scalar::run;
+  }
+}
+
+int best_isa() {
+  for (int i = 0; i < 4; ++i)
+    if (isa_supported(i)) return i;
+  return 3;
+}
+
+std::atomic<int> g_isa{-1};
+
+int current_isa() {
+  int isa = g_isa.load();
+  if (isa < 0) {
+    isa = best_isa();
+    g_isa.store(isa);
+  }
+  return isa;
+}
+
+Kind parse_kind(const std::string& s, const char* op) {
+  static const char* names[] = {"q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+  for (int i = 0; i < 7; ++i)
+    if (s == names[i]) return static_cast<Kind>(i);
+  TORCH_CHECK(false, op, ": unknown block kind '", s,
+              "' (q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k)");
+}
+
+// Checks the weight tensors of kind k for K inputs; returns its bytes per row.
+int64_t check_weight(Kind k, int64_t K, const at::Tensor& qs, const c10::optional<at::Tensor>& d,
+                     const c10::optional<at::Tensor>& m, const char* op) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous(), op, ": qs must be a contiguous 2-D tensor");
+  if (k == airserve_blocks::kQ4_1 || k == airserve_blocks::kQ8_0) {
+    const int64_t per_row = k == airserve_blocks::kQ4_1 ? K / 2 : K;
+    TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
+    TORCH_CHECK(qs.size(1) == per_row &&
+                    qs.scalar_type() == (k == airserve_blocks::kQ4_1 ? at::kByte : at::kChar),
+                op, ": qs must be [N, ", per_row, "] of ", k == airserve_blocks::kQ4_1 ? "uint8" :
+                "int8");
+    TORCH_CHECK(d.has_value() && d->scalar_type() == at::kHalf && d->is_contiguous() &&
+                    d->dim() == 2 && d->size(0) == qs.size(0) && d->size(1) == K / 32,
+                op, ": d must be contiguous float16 [N, K/32]");
+    if (k == airserve_blocks::kQ4_1)
+      TORCH_CHECK(m.has_value() && m->sizes() == d->sizes() && m->scalar_type() == at::kHalf &&
+                      m->is_contiguous(), op, ": m must be contiguous float16 like d");
+    return per_row;
+  }
+  const auto layout = airserve_blocks::raw_layout(k);
+  TORCH_CHECK(K % layout.values == 0, op, ": K=", K, " is not a multiple of ", layout.values,
+              " (the block size of this kind)");
+  const int64_t per_row = K / layout.values * layout.bytes;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.size(1) == per_row, op,
+              ": qs must be the raw blocks, uint8 [N, ", per_row, "]");
+  return per_row;
+}
+
+void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": 1 to ", kMaxRows,
+              " rows, got ", x.size(0));
+}
+
+// x [M, K] -> int8 values per block of 32, the scales xd and the scaled sums xs.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* v = x + i * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));
+      xq[i * 32 + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xd[i] = d;
+    xs[i] = d * static_cast<float>(sum);
+  }
+}
+
+at::Tensor block_matmul_int8(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
+                             const c10::optional<at::Tensor>& d,
+                             const c10::optional<at::Tensor>& m) {
+  const char* op = "airserve::block_matmul_int8";
+  check_x(x, op);
+  const Kind k = parse_kind(kind, op);
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
+  const int64_t stride = check_weight(k, K, qs, d, m, op);
+  const int64_t nb = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+  at::Tensor out = at::empty({M, N}, x.options());
+  const Int8Job job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
+                    d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
+                    K, N, nb, xq.data(), xd.data(), xs.data(), out.data_ptr<float>()};
+  const RunFn run = isa_fn(current_isa());
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) { run(job, M, n0, n1); });
+  return out;
+}
+
+// Float32 activations times the exact values of one unpacked group, M rows at a time.
+template <int M>
+void f32_rows(const Int8Job& job, const float* x, int64_t n0, int64_t n1) {
+  airserve_blocks::Group g;
+  alignas(64) float w[256];
+  const int64_t ngroups = (job.nb + 7) / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const airserve_blocks::Row row = job.row(n);
+    float acc[M][8] = {};
+    for (int64_t gi = 0; gi < ngroups; ++gi) {
+      airserve_blocks::unpack(row, gi, job.nb, g);
+      const int len = 32 * g.nblocks;
+      const uint8_t* uq = reinterpret_cast<const uint8_t*>(g.q);
+      for (int e = 0; e < len; ++e) {
+        const float q = g.is_signed ? float(g.q[e]) : float(uq[e]);
+        w[e] = g.a[e / 32] * float(g.s16[e / 16]) * q + g.c[e / 32];
+      }
+      for (int r = 0; r < M; ++r) {
+        const float* xr = x + r * job.K + gi * 256;
+        for (int e = 0; e < len; e += 8)
+          for (int t = 0; t < 8; ++t) acc[r][t] += xr[e + t] * w[e + t];
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      float s = 0.f;
+      for (int t = 0; t < 8; ++t) s += acc[r][t];
+      job.out[r * job.N + n] = s;
+    }
+  }
+}
+
+at::Tensor block_matmul_f32(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
+                            const c10::optional<at::Tensor>& d,
+                            const c10::optional<at::Tensor>& m) {
+  const char* op = "airserve::block_matmul_f32";
+  check_x(x, op);
+  const Kind k = parse_kind(kind, op);
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
+  const int64_t stride = check_weight(k, K, qs, d, m, op);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const Int8Job job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
+                    d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
+                    K, N, K / 32, nullptr, nullptr, nullptr, out.data_ptr<float>()};
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+#define AIRSERVE_F32_CASE(R) \
+      case R: f32_rows<R>(job, xp, n0, n1); break;
+      AIRSERVE_F32_CASE(1) AIRSERVE_F32_CASE(2) AIRSERVE_F32_CASE(3) AIRSERVE_F32_CASE(4)
+      AIRSERVE_F32_CASE(5) AIRSERVE_F32_CASE(6) AIRSERVE_F32_CASE(7) AIRSERVE_F32_CASE(8)
+      AIRSERVE_F32_CASE(9) AIRSERVE_F32_CASE(10) AIRSERVE_F32_CASE(11) AIRSERVE_F32_CASE(12)
+      AIRSERVE_F32_CASE(13) AIRSERVE_F32_CASE(14) AIRSERVE_F32_CASE(15) AIRSERVE_F32_CASE(16)
+#undef AIRSERVE_F32_CASE
+      default: break;
+    }
+  });
+  return out;
+}
+
+at::Tensor dequantize_blocks(const std::string& kind, const at::Tensor& qs,
+                             const c10::optional<at::Tensor>& d,
+                             const c10::optional<at::Tensor>& m, int64_t K) {
+  const char* op = "airserve::dequantize_blocks";
+  const Kind k = parse_kind(kind, op);
+  TORCH_CHECK(K > 0 && K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
+  const int64_t stride = check_weight(k, K, qs, d, m, op);
+  const int64_t N = qs.size(0), nb = K / 32, ngroups = (nb + 7) / 8;
+  at::Tensor out = at::empty({N, K}, qs.options().dtype(at::kFloat));
+  float* op_ = out.data_ptr<float>();
+  const Int8Job job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
+                    d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
+                    K, N, nb, nullptr, nullptr, nullptr, nullptr};
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    airserve_blocks::Group g;
+    for (int64_t n = n0; n < n1; ++n) {
+      const airserve_blocks::Row row = job.row(n);
+      for (int64_t gi = 0; gi < ngroups; ++gi) {
+        airserve_blocks::unpack(row, gi, nb, g);
+        const uint8_t* uq = reinterpret_cast<const uint8_t*>(g.q);
+        float* w = op_ + n * K + gi * 256;
+        for (int e = 0; e < 32 * g.nblocks; ++e) {
+          const float q = g.is_signed ? float(g.q[e]) : float(uq[e]);
+          w[e] = g.a[e / 32] * float(g.s16[e / 16]) * q + g.c[e / 32];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+std::string int8_isa() { return kIsaNames[current_isa()]; }
+
+std::vector<std::string> int8_isas() {
+  std::vector<std::string> names;
+  for (int i = 0; i < 4; ++i)
+    if (isa_supported(i)) names.emplace_back(kIsaNames[i]);
+  return names;
+}
+
+// Narrows the instruction set the int8 products use ("auto": the best this CPU has). For tests
+// and benchmarks; returns the one now in use.
+std::string set_int8_isa(const std::string& name) {
+  if (name == "auto") {
+    g_isa.store(best_isa());
+    return int8_isa();
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (name != kIsaNames[i]) continue;
+    TORCH_CHECK(isa_supported(i), "airserve::set_int8_isa: this CPU (or compiler) lacks ", name);
+    g_isa.store(i);
+    return int8_isa();
+  }
+  TORCH_CHECK(false, "airserve::set_int8_isa: unknown instruction set '", name,
+              "' (auto, avx512_vnni, avx_vnni, avx2, scalar)");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
+  lib.impl("block_matmul_int8", &block_matmul_int8);
+  lib.impl("block_matmul_f32", &block_matmul_f32);
+  lib.impl("dequantize_blocks", &dequantize_blocks);
+}
+
+TORCH_LIBRARY_FRAGMENT(airserve_isa, lib) {
+  lib.def("int8_isa() -> str", &int8_isa);
+  lib.def("int8_isas() -> str[]", &int8_isas);
+  lib.def("set_int8_isa(str name) -> str", &set_int8_isa);
+}

