@@ -1,0 +1,335 @@
+"""W2 side by side: airserve and OpenVINO GenAI serving 64 requests at once, in one run.
+
+W2 = N prompts of L random token ids (seeded, the same ids for every engine), M greedy new
+tokens each with `ignore_eos`, all submitted at once. Each configuration runs in a fresh process,
+one after another (never two at once on the same cores), with the same thread count:
+
+- `airserve:<mode>`: the offline Engine (`eager`, `compile` = CPU graph runner, `openvino`);
+- `served:<mode>`: `launch_server` in that mode, all requests posted to /generate at once;
+- `ov-genai:<fp32|int8>`: OpenVINO GenAI's ContinuousBatchingPipeline on the default model
+  exported to IR (`bash scripts/setup_ov_genai.sh` makes the venv and the export; pass its python
+  with --ov-python and the export directory with --ov-models).
+
+Per configuration: output tok/s over the W2 wall time, wall time, median TTFT of a lone 32-token
+prompt (a 1-token generation, after warm-up), peak RSS, and the share of requests whose greedy
+ids equal the first configuration's. Prints a table (ratios against the best OpenVINO GenAI
+configuration) and writes JSON.
+
+    python benchmark/throughput/bench_w2.py --ov-python .venv-ovgenai/bin/python \
+        --ov-models ~/.cache/airserve/ov_genai --output w2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runners"))
+
+MODES: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "compile": {"enable_torch_compile": True},
+    "openvino": {"enable_torch_compile": True, "torch_compile_backend": "openvino"},
+}
+DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
+                   "ov-genai:int8"]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_features() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
+    return [w for w in wanted if w in flags]
+
+
+def make_job(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    # Ids away from both ends of the vocabulary (special tokens sit at the start).
+    lo, hi = 100, args.vocab_size - 100
+    prompts = [[rng.randrange(lo, hi) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts)]
+    lone = [rng.randrange(lo, hi) for _ in range(32)]
+    return {"prompts": prompts, "lone_prompt": lone, "output_len": args.output_len,
+            "threads": args.num_threads, "ttft_repeats": args.ttft_repeats}
+
+
+def server_args_for(mode: str, args: argparse.Namespace) -> dict:
+    kwargs = dict(MODES[mode])
+    kwargs["num_threads"] = args.num_threads
+    kwargs["max_running_requests"] = args.num_prompts
+    if kwargs.get("enable_torch_compile"):
+        kwargs["cuda_graph_bs"] = tuple(args.graph_bs)
+    return kwargs
+
+
+# ---- airserve, offline (runs in a child process: --worker airserve) -------------------------
+
+def run_airserve_offline(job: dict) -> dict:
+    import airserve
+
+    t0 = time.perf_counter()
+    engine = airserve.Engine(**job["server_args"])
+    load_s = time.perf_counter() - t0
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=job["lone_prompt"], sampling_params=dict(greedy, max_new_tokens=8))
+    ttft = []
+    for _ in range(job["ttft_repeats"]):
+        t = time.perf_counter()
+        engine.generate(input_ids=job["lone_prompt"],
+                        sampling_params=dict(greedy, max_new_tokens=1))
+        ttft.append(time.perf_counter() - t)
+    params = dict(greedy, max_new_tokens=job["output_len"])
+    t = time.perf_counter()
+    outs = engine.generate(input_ids=job["prompts"], sampling_params=params)
+    wall = time.perf_counter() - t
+    info = engine.get_server_info()
+    return {"load_s": load_s, "wall_s": wall,
+            "output_tokens": sum(len(o["output_ids"]) for o in outs),
+            "ttft_lone_ms": 1000 * statistics.median(ttft),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "output_ids": [o["output_ids"] for o in outs],
+            "runner": (info.get("graph_runner") or {}).get("name", "eager"),
+            "eager_fallbacks": info.get("eager_fallbacks")}
+
+
+# ---- airserve, served --------------------------------------------------------------------
+
+def _flags(kwargs: dict) -> list[str]:
+    flags: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, (tuple, list)):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _post_all(url: str, payloads: list[dict]) -> list[dict]:
+    import asyncio
+
+    import aiohttp
+
+    async def go() -> list[dict]:
+        timeout = aiohttp.ClientTimeout(total=3600)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            async def one(p: dict) -> dict:
+                async with s.post(url + "/generate", json=p) as r:
+                    body = await r.json()
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}: {body}")
+                    return body
+            return await asyncio.gather(*(one(p) for p in payloads))
+
+    return asyncio.run(go())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _PeakRss:
+    """Peak RSS of a process tree, sampled every 0.2 s in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        import psutil
+
+        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.2):
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
+def run_served(mode: str, job: dict, args: argparse.Namespace, log_dir: Path) -> dict:
+    from compare_runners import Server
+
+    server = Server(_flags(job["server_args"]), _free_port(), log_dir / f"server_{mode}.log")
+    with server:
+        load_s = server.wait_ready(args.startup_timeout)
+        rss = _PeakRss(server.proc.pid)
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        lone = {"input_ids": job["lone_prompt"], "sampling_params": dict(greedy, max_new_tokens=1)}
+        _post_all(server.url, [dict(lone, sampling_params=dict(greedy, max_new_tokens=8))])
+        ttft = []
+        for _ in range(job["ttft_repeats"]):
+            t = time.perf_counter()
+            _post_all(server.url, [lone])
+            ttft.append(time.perf_counter() - t)
+        params = dict(greedy, max_new_tokens=job["output_len"])
+        t = time.perf_counter()
+        outs = _post_all(server.url, [{"input_ids": p, "sampling_params": params}
+                                      for p in job["prompts"]])
+        wall = time.perf_counter() - t
+        peak = rss.stop()
+    return {"load_s": load_s, "wall_s": wall,
+            "output_tokens": sum(len(o["output_ids"]) for o in outs),
+            "ttft_lone_ms": 1000 * statistics.median(ttft), "peak_rss_mb": peak,
+            "output_ids": [o["output_ids"] for o in outs]}
+
+
+# ---- driver -------------------------------------------------------------------------------
+
+def run_child(cmd: list[str], job: dict, tmp: Path, name: str, timeout: float) -> dict:
+    job_file, out_file = tmp / f"{name}.job.json", tmp / f"{name}.out.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run([*cmd, str(job_file), str(out_file)], timeout=timeout,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out_file.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path) -> dict:
+    kind, _, variant = config.partition(":")
+    job = dict(base_job)
+    name = config.replace(":", "_")
+    if kind == "ov-genai":
+        if not args.ov_python:
+            raise RuntimeError("--ov-python is not set (bash scripts/setup_ov_genai.sh)")
+        job.update(model_dir=str(Path(args.ov_models).expanduser() / variant),
+                   max_num_batched_tokens=args.ov_max_num_batched_tokens,
+                   kv_cache_gb=args.ov_kv_cache_gb, precision=args.ov_precision)
+        worker = str(Path(__file__).with_name("ov_genai_worker.py"))
+        return run_child([args.ov_python, worker], job, tmp, name, args.timeout)
+    if variant not in MODES:
+        raise RuntimeError(f"unknown airserve mode {variant!r}; choose from {sorted(MODES)}")
+    job["server_args"] = server_args_for(variant, args)
+    if kind == "airserve":
+        cmd = [sys.executable, __file__, "--worker"]
+        return run_child(cmd, job, tmp, name, args.timeout)
+    if kind == "served":
+        return run_served(variant, job, args, tmp)
+    raise RuntimeError(f"unknown configuration kind {kind!r} (airserve, served, ov-genai)")
+
+
+def same_share(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+
+
+def print_table(rows: list[dict], cpu: str) -> None:
+    ov = [r for r in rows if r["config"].startswith("ov-genai") and "wall_s" in r]
+    best = max((r["output_tok_s"] for r in ov), default=None)
+    print(f"\nW2 on {cpu}")
+    head = ("| config | output tok/s | vs best OV GenAI | wall (s) | TTFT lone 32 (ms) | "
+            "peak RSS (MiB) | same greedy ids as first |")
+    print(head)
+    print("|---" * 7 + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | failed: {r['error'].splitlines()[0][:80]} |||||| ")
+            continue
+        ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
+        print(f"| {r['config']} | {r['output_tok_s']:.1f} | {ratio} | {r['wall_s']:.1f} | "
+              f"{r['ttft_lone_ms']:.0f} | {r['peak_rss_mb']:.0f} | {r['same_ids']:.2f} |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--graph-bs", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                   help="decode batch sizes the graph runners capture")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-repeats", type=int, default=5)
+    p.add_argument("--ov-python", default=None, help="python of the OpenVINO GenAI venv")
+    p.add_argument("--ov-models", default="~/.cache/airserve/ov_genai")
+    p.add_argument("--ov-max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--ov-kv-cache-gb", type=int, default=2)
+    p.add_argument("--ov-precision", default=None, help="INFERENCE_PRECISION_HINT (default: "
+                   "OpenVINO's own choice for this CPU)")
+    p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=3600, help="per configuration, seconds")
+    p.add_argument("--output", default="w2_results.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        job = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(run_airserve_offline(job)))
+        return 0
+    args = build_parser().parse_args(argv)
+    cpu = cpu_model()
+    base_job = make_job(args)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench_w2_") as tmp_name:
+        tmp = Path(tmp_name)
+        for config in args.configs:
+            print(f"== {config}", flush=True)
+            row: dict[str, Any] = {"config": config}
+            try:
+                row.update(run_config(config, base_job, args, tmp))
+                row["output_tok_s"] = row["output_tokens"] / row["wall_s"]
+                first = next((r for r in rows if "output_ids" in r), row)
+                row["same_ids"] = same_share(row["output_ids"], first["output_ids"])
+                print(f"   {row['output_tok_s']:.1f} output tok/s, wall {row['wall_s']:.1f} s",
+                      flush=True)
+            except Exception as e:  # one configuration failing must not lose the others
+                row["error"] = str(e)
+                print(f"   failed: {e}", flush=True)
+            rows.append(row)
+    print_table(rows, cpu)
+    result = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len",
+                                                         "output_len", "num_threads")},
+              "cpu": cpu, "cpu_features": cpu_features(), "torch_threads": args.num_threads,
+              "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.output}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
