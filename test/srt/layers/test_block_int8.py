@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from tiny_gguf import any_packed
 
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
 from airserve.srt.layers.quant.block_matvec import KINDS, RAW_KINDS, packed_linear
 from airserve.srt.model_loader.gguf_dequant import dequantize
+from airserve_testing.tiny_gguf import any_packed
 
 TOL = 2e-5
 # K per kind: not a multiple of 256 where the block size (32) allows it.

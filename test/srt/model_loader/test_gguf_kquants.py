@@ -15,11 +15,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from decode_driver import Requests
 from gguf import GGMLQuantizationType as T
-from tiny_gguf import K_QUANT_TYPES, write_tiny_gguf
 
 from airserve.srt.model_loader.gguf_quantize import quantize
+from airserve_testing.decode_driver import Requests
+from airserve_testing.tiny_gguf import K_QUANT_TYPES, write_tiny_gguf
 
 # Worst round-trip error allowed per super-block, as a fraction of its largest |x|: half a step
 # of each sub-block's range, plus the 6-bit (8-bit for Q6_K) rounding of the scales.
@@ -83,11 +83,11 @@ def test_k_quant_decode_matches_float32_weights(kquant_file: str, activations: s
 
     base = ServerArgs(model_path=kquant_file, max_total_tokens=512, max_running_requests=4)
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
-    packed = ModelRunner(base.replace(packed_decode_max_bs=4))
-    if activations == "int8":  # the runner passes the flag to the loader once it is wired
-        for m in packed.model.modules():
-            if getattr(m, "packed_kind", ""):
-                m.packed_activations = "int8"
+    packed = ModelRunner(base.replace(packed_decode_max_bs=4, cpu_decode_activations=activations))
+    report = packed.kernels_report()  # what /get_server_info shows under decode_kernels
+    assert report["cpu_decode_activations"] == activations
+    assert report["blocks_only_layers"] == report["linear_layers"] - 1  # all but the lm_head
+    assert ("int8_isa" in report) == (activations == "int8")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 9, 3)]
     ref = _logits(plain, prompts, 8)  # prefill (> 4 rows) dequantizes per chunk in `packed`
