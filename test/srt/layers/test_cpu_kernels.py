@@ -16,7 +16,7 @@ def test_a_stale_build_lock_is_removed_and_the_build_completes(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     probe = ("from airserve.srt.layers import cpu_kernels as k; from torch.utils import "
              "cpp_extension as c; print(c._get_build_directory("
-             "f'airserve_cpu_kernels_{k._cpu_tag()}', verbose=False))")
+             "k.build_name(), verbose=False))")
     build_dir = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                text=True, check=True).stdout.strip()
     assert build_dir.startswith(str(tmp_path))

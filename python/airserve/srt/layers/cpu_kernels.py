@@ -47,6 +47,12 @@ def _headers_tag(here: str) -> str:
     return digest.hexdigest()[:8]
 
 
+def build_name() -> str:
+    """The extension's name, hence its build directory under TORCH_EXTENSIONS_DIR."""
+    here = os.path.join(os.path.dirname(__file__), "csrc")
+    return f"airserve_cpu_kernels_{_cpu_tag()}_{_headers_tag(here)}"
+
+
 def available() -> bool:
     """Build (first call in a fresh cache: ~15-30 s) and load the operators."""
     if "ok" in _state:
@@ -54,7 +60,7 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     here = os.path.join(os.path.dirname(__file__), "csrc")
-    name = f"airserve_cpu_kernels_{_cpu_tag()}_{_headers_tag(here)}"
+    name = build_name()
     try:
         _remove_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         cpp_extension.load(

@@ -252,9 +252,27 @@ def test_without_openvino_the_error_says_how_to_install(tiny_llama_dir, monkeypa
         ModelRunner(ov_args(tiny_llama_dir, 1))
 
 
+def cpu_can(capability: str) -> bool:
+    import openvino
+
+    return capability in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", "auto"), ("f16", "float16")])
+def test_a_precision_the_cpu_lacks_is_refused(tiny_llama_dir, precision, dtype):
+    """On a CPU without bf16/f16 arithmetic the plugin would silently compute in f32."""
+    if cpu_can({"bf16": "BF16", "f16": "FP16"}[precision]):
+        pytest.skip(f"this CPU computes in {precision}")
+    with pytest.raises(ValueError, match=f"cannot compute in {precision}.*f32"):
+        ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), dtype=dtype,
+                            openvino_precision=precision))
+
+
 def test_bf16_hint_reaches_the_plugin_and_warns_about_the_float32_pool(tiny_llama_dir, caplog):
     import openvino
 
+    if not cpu_can("BF16"):
+        pytest.skip("this CPU has no bf16 arithmetic (test_a_precision_the_cpu_lacks_is_refused)")
     runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), openvino_precision="bf16"))
     (graph,) = runner.graph_runner.graphs.values()
     compiler = graph.compiler
@@ -265,6 +283,8 @@ def test_bf16_hint_reaches_the_plugin_and_warns_about_the_float32_pool(tiny_llam
 
 
 def test_float16_pool_with_f16_hint_is_only_gathered(tiny_llama_dir, caplog):
+    if not cpu_can("FP16"):
+        pytest.skip("this CPU has no f16 arithmetic (test_a_precision_the_cpu_lacks_is_refused)")
     runner = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,), dtype="float16",
                                  openvino_precision="f16"))
     (graph,) = runner.graph_runner.graphs.values()

@@ -28,6 +28,26 @@ _BACKEND_LOGGERS = ("openvino.frontend.pytorch.torchdynamo.backend",
                     "openvino.frontend.pytorch.torchdynamo.execute")
 
 
+# OPTIMIZATION_CAPABILITIES a device must list to compute in a precision: without it the CPU
+# plugin keeps the f32 it can do and reports f32, with no error.
+PRECISION_CAPABILITY = {"bf16": "BF16", "f16": "FP16"}
+
+
+def check_precision(device: str, precision: str) -> None:
+    """Refuse a precision hint the device would silently ignore."""
+    import openvino
+
+    needed = PRECISION_CAPABILITY.get(precision)
+    if needed is None:
+        return
+    caps = list(openvino.Core().get_property(device, "OPTIMIZATION_CAPABILITIES"))
+    if needed not in caps:
+        raise ValueError(
+            f"--openvino-precision {precision}: OpenVINO's {device} device on this machine "
+            f"cannot compute in {precision} (its capabilities: {', '.join(caps)}) and would run "
+            "in f32 instead; use --openvino-precision f32")
+
+
 class OpenVINOFallbackError(RuntimeError):
     """A graph compiled for OpenVINO would run (partly) outside OpenVINO."""
 

@@ -52,6 +52,7 @@ from airserve.srt.model_executor.graph_runners.base import (
 from airserve.srt.model_executor.graph_runners.openvino.compile import (
     BoundRequest,
     OpenVINOCompiler,
+    check_precision,
     compile_options,
 )
 
@@ -94,6 +95,7 @@ class OpenVINORunner(GraphRunner):
         args = model_runner.runner_config
         require_openvino()
         self.ov_device = check_openvino_device(args.openvino_device)
+        check_precision(self.ov_device, args.openvino_precision)
         self.options = compile_options(
             self.ov_device, args.openvino_precision, args.openvino_num_threads,
             args.openvino_cache_dir,
