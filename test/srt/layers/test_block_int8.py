@@ -19,6 +19,7 @@ from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
 from airserve.srt.layers.quant.block_matvec import KINDS, RAW_KINDS, packed_linear
 from airserve.srt.model_loader.gguf_dequant import dequantize
+from airserve_testing.compile_probe import compiled_calls
 from airserve_testing.tiny_gguf import any_packed
 
 TOL = 2e-5
@@ -150,14 +151,8 @@ def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
     """Under torch.compile (fullgraph, inductor) the int8 product is one op of the graph."""
     layer = Linear(256, 40, bias=False)
     layer.attach_packed(any_packed(kind, 40, 256), 2, "int8", drop_weight=True)
-    seen = []
-
-    def recording_backend(gm, example_inputs):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     x = torch.randn(2, 256)
-    out = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+    seen, out = compiled_calls(layer, x)
     assert seen == [torch.ops.airserve.block_matmul_int8]
     torch.testing.assert_close(out, layer(x))
     inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)

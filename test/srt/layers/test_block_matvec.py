@@ -13,6 +13,7 @@ import torch
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
 from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, packed_linear
+from airserve_testing.compile_probe import compiled_calls
 from airserve_testing.tiny_gguf import random_packed
 
 
@@ -91,14 +92,8 @@ def test_linear_rejects_a_packed_weight_of_another_shape() -> None:
 def test_compiled_graph_calls_the_kernel_in_place() -> None:
     """Under torch.compile (fullgraph) the kernel is one node of the graph, not a break."""
     layer, _ = make_linear("q8_0", False, max_rows=2)
-    seen = []
-
-    def recording_backend(gm, example_inputs):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     x = torch.randn(2, 64)
-    out = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+    seen, out = compiled_calls(layer, x)
     assert seen == [torch.ops.airserve.q8_0_matmul]  # the whole layer, in one op
     torch.testing.assert_close(out, layer(x))
     inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)

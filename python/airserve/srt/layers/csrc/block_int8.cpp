@@ -214,23 +214,33 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
   }
 }
 
+// The checks both products share, and their job without activations; `out` becomes [M, N].
+static Int8Job checked_job(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
+                           const c10::optional<at::Tensor>& d, const c10::optional<at::Tensor>& m,
+                           const char* op, at::Tensor& out) {
+  check_x(x, op);
+  const Kind k = parse_kind(kind, op);
+  const int64_t K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
+  const int64_t stride = check_weight(k, K, qs, d, m, op);
+  out = at::empty({x.size(0), N}, x.options());
+  return Int8Job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
+                 d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
+                 K, N, K / 32, nullptr, nullptr, nullptr, out.data_ptr<float>()};
+}
+
 at::Tensor block_matmul_int8(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
                              const c10::optional<at::Tensor>& d,
                              const c10::optional<at::Tensor>& m) {
-  const char* op = "airserve::block_matmul_int8";
-  check_x(x, op);
-  const Kind k = parse_kind(kind, op);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
-  const int64_t stride = check_weight(k, K, qs, d, m, op);
-  const int64_t nb = K / 32;
+  at::Tensor out;
+  Int8Job job = checked_job(x, kind, qs, d, m, "airserve::block_matmul_int8", out);
+  const int64_t M = x.size(0), K = job.K, N = job.N, nb = job.nb;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-  at::Tensor out = at::empty({M, N}, x.options());
-  const Int8Job job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
-                    d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
-                    K, N, nb, xq.data(), xd.data(), xs.data(), out.data_ptr<float>()};
+  job.xq = xq.data();
+  job.xd = xd.data();
+  job.xs = xs.data();
   const RunFn run = isa_fn(current_isa());
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) { run(job, M, n0, n1); });
   return out;
@@ -270,16 +280,9 @@ void f32_rows(const Int8Job& job, const float* x, int64_t n0, int64_t n1) {
 at::Tensor block_matmul_f32(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
                             const c10::optional<at::Tensor>& d,
                             const c10::optional<at::Tensor>& m) {
-  const char* op = "airserve::block_matmul_f32";
-  check_x(x, op);
-  const Kind k = parse_kind(kind, op);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(K % 32 == 0, op, ": K=", K, " is not a multiple of 32");
-  const int64_t stride = check_weight(k, K, qs, d, m, op);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const Int8Job job{k, static_cast<const uint8_t*>(qs.data_ptr()), stride,
-                    d ? d->data_ptr<at::Half>() : nullptr, m ? m->data_ptr<at::Half>() : nullptr,
-                    K, N, K / 32, nullptr, nullptr, nullptr, out.data_ptr<float>()};
+  at::Tensor out;
+  const Int8Job job = checked_job(x, kind, qs, d, m, "airserve::block_matmul_f32", out);
+  const int64_t M = x.size(0), N = job.N;
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     switch (M) {
