@@ -78,7 +78,7 @@ def weight_mib(model: torch.nn.Module) -> float:
 def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed `seqs` (equal lengths) one token per decode step. Returns the greedy token and the
     log-probability of the true next token at every position but the last: [bs, len - 1]."""
-    from airserve.srt.model_executor.forward_batch import ForwardMode
+    from airserve.srt.forward_batch import ForwardMode
 
     alloc, pool = runner.allocator, runner.req_to_token_pool
     slots = [pool.allocate() for _ in seqs]
