@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
+
+from airserve.srt.hardware import host_cpu
 
 SHAPES = ((1536, 576), (576, 1536), (49152, 576))
 TYPES = ("Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -27,18 +28,8 @@ FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vn
 
 
 def cpu_info() -> dict:
-    """CPU model name and the features that matter to these kernels (from /proc/cpuinfo)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and ":" in line:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    """CPU model name and the features that matter to these kernels."""
+    model, flags = host_cpu()
     return {"model": model, "features": [f for f in FEATURES if f in flags]}
 
 

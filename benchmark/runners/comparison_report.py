@@ -8,23 +8,14 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from airserve.srt.hardware import host_cpu
+
 
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:
@@ -40,7 +31,7 @@ def machine_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {
-        "cpu": _cpu_model(),
+        "cpu": host_cpu()[0],
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "memory_gib": memory_gib,

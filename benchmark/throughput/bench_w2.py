@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import resource
 import statistics
@@ -36,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runners"))
 
+from airserve.srt.hardware import host_cpu  # noqa: E402
+
 MODES: dict[str, dict[str, Any]] = {
     "eager": {},
     "compile": {"enable_torch_compile": True},
@@ -45,25 +46,8 @@ DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-gen
                    "ov-genai:int8"]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_features() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
-    return [w for w in wanted if w in flags]
+# What the table names beside its figures.
+FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
 
 
 def make_job(args: argparse.Namespace) -> dict:
@@ -302,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(argv[2]).write_text(json.dumps(run_airserve_offline(job)))
         return 0
     args = build_parser().parse_args(argv)
-    cpu = cpu_model()
+    cpu, flags = host_cpu()
     base_job = make_job(args)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_w2_") as tmp_name:
@@ -324,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, cpu)
     result = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len",
                                                          "output_len", "num_threads")},
-              "cpu": cpu, "cpu_features": cpu_features(), "torch_threads": args.num_threads,
+              "cpu": cpu, "cpu_features": [f for f in FEATURES if f in flags],
+              "torch_threads": args.num_threads,
               "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.output}")

@@ -17,6 +17,7 @@ import glob
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -42,6 +43,24 @@ NPU_PROBE = (
 
 
 # torch.
+def host_cpu() -> tuple[str, frozenset[str]]:
+    """This machine's CPU model name and instruction-set flags, from /proc/cpuinfo (Linux);
+    elsewhere the platform's processor name and no flags."""
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
 def _torch_devices() -> list[dict]:
     detail = f"{os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
     return [

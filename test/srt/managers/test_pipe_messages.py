@@ -1,24 +1,20 @@
 """The scheduler loop over a real pipe, in this process: typed messages in and out, bad requests
 answered with ReqError, and a step that raises fails its requests while the loop lives on.
-Also the import rule: nothing under srt/managers/ imports srt/entrypoints/."""
+(The import rules, managers importing nothing from entrypoints among them, are checked in
+test/srt/test_import_rules.py.)"""
 
 from __future__ import annotations
 
-import ast
 import multiprocessing as mp
 import os
-import pathlib
 import threading
 
 import pytest
 
-import airserve
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.engine_core import EngineCore
 from airserve.srt.managers.scheduler_process import SchedulerLoop
 from airserve.srt.server_args import ServerArgs
-
-MANAGERS = pathlib.Path(airserve.__file__).parent / "srt" / "managers"
 
 
 @pytest.fixture(scope="module")
@@ -123,17 +119,3 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(core, method
     finally:
         delattr(sched, method)  # the class method again
         t.close()
-
-
-def test_managers_import_nothing_from_entrypoints():
-    offenders = []
-    for path in sorted(MANAGERS.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names
-                          if n.startswith("airserve.srt.entrypoints")]
-    assert not offenders
