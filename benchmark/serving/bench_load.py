@@ -8,6 +8,8 @@ the table. Workloads:
     gsm8k          few_shot_gsm8k (5 shots share a ~700-token prefix), --parallel P
     gsp            bench_serving --dataset-name generated-shared-prefix
     random-cN      bench_serving random IN/OUT at --max-concurrency N, for each --concurrency
+    sharegpt-cN    bench_serving ShareGPT (packaged V3 conversations; outputs capped at
+                   --sharegpt-output-len) at --max-concurrency N, for each --concurrency
     poisson        bench_serving random IN/OUT with Poisson arrivals near capacity: at
                    --poisson-fraction of the request throughput the first configuration
                    reached at the largest concurrency (or --request-rate)
@@ -50,7 +52,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 SMALL = dict(gsm8k_questions=16, gsm8k_parallel=16, gsm8k_max_new_tokens=48, gsp_num_groups=2,
              gsp_prompts_per_group=4, gsp_system_prompt_len=256, gsp_question_len=32,
              gsp_output_len=16, input_len=64, output_len=16, concurrency=[1, 8], num_prompts=8,
-             poisson_prompts=12)
+             poisson_prompts=12, sharegpt_output_len=16, sharegpt_context_len=512)
 COLUMNS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
@@ -103,9 +105,13 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list]]:
            "--gsp-output-len", str(args.gsp_output_len),
            "--max-concurrency", str(max(args.concurrency))]  # fmt: skip
     out: list[tuple[str, list]] = [("gsm8k", []), ("gsp", gsp)]
+    share = ["--dataset-name", "sharegpt", "--sharegpt-output-len", str(args.sharegpt_output_len),
+             "--sharegpt-context-len", str(args.sharegpt_context_len), "--seed", "1"]
     for c in args.concurrency:
-        n = args.num_prompts or 4 * c
-        out.append((f"random-c{c}", rand + ["--num-prompts", str(n), "--max-concurrency", str(c)]))
+        n = ["--num-prompts", str(args.num_prompts or 4 * c), "--max-concurrency", str(c)]
+        out.append((f"random-c{c}", rand + n))
+        if args.sharegpt_output_len > 0:
+            out.append((f"sharegpt-c{c}", share + n))
     out.append(("poisson", rand + ["--num-prompts", str(args.poisson_prompts)]))
     return out
 
@@ -196,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gsp-output-len", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--sharegpt-output-len", type=int, default=128,
+                   help="cap on ShareGPT output lengths; 0 skips the ShareGPT workloads")
+    p.add_argument("--sharegpt-context-len", type=int, default=2048,
+                   help="ShareGPT pairs whose prompt + output exceed this are skipped")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 16, 64])
     p.add_argument("--num-prompts", type=int, default=0,
