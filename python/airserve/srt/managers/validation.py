@@ -15,9 +15,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
     FieldError,
     SamplingParams,
+    expect_bool,
+    expect_int,
     refuse_not_implemented,
     show,
 )
@@ -27,7 +31,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # /generate's top-level SGLang fields that airserve does not implement -> no-op values.
 NATIVE_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "return_logprob": (False,), "return_hidden_states": (False,), "return_entropy": (False,),
+    "return_hidden_states": (False,), "return_entropy": (False,),
     "input_embeds": ([],), "image_data": ([], ""), "video_data": ([], ""),
     "audio_data": ([], ""), "lora_path": ([], ""), "session_params": ({},),
     "custom_logit_processor": ("",),
@@ -149,8 +153,37 @@ def validate_request(input_ids: object, sampling_params: Mapping | SamplingParam
     params = sampling_params if isinstance(sampling_params, SamplingParams) else \
         SamplingParams.from_dict(sampling_params)
     check_input_ids(params.stop_token_ids, limits, "stop_token_ids")
+    outside = [t for t in params.logit_bias if t >= limits.vocab_size]
+    if outside:
+        raise FieldError("logit_bias", f"token id {outside[0]} is not in the vocabulary "
+                                       f"[0, {limits.vocab_size})")
     check_fits(len(ids), params.max_new_tokens, limits)
     return params
+
+
+MAX_TOP_LOGPROBS = 100  # top logprobs per position; more would only bloat the answer
+
+
+def parse_logprob(body: Mapping, prompt_len: int) -> LogprobParams | None:
+    """/generate's logprob fields (SGLang's names), checked; None when none is asked."""
+    want = body.get("return_logprob")
+    if want is None or want is False:
+        return None
+    expect_bool("return_logprob", want)
+    top = body.get("top_logprobs_num")
+    start = body.get("logprob_start_len")
+    params = LogprobParams(
+        True, 0 if top is None else expect_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS),
+        -1 if start is None else expect_int("logprob_start_len", start, -1, INT32_MAX))
+    check_logprob(params, prompt_len)
+    return params
+
+
+def check_logprob(params: LogprobParams | None, prompt_len: int) -> None:
+    """The first listed prompt position must be inside the prompt."""
+    if params is not None and params.logprob_start_len >= prompt_len:
+        raise FieldError("logprob_start_len", f"must be < the prompt length ({prompt_len} "
+                                              f"tokens), got {params.logprob_start_len}")
 
 
 def check_json_value(value: object, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -185,4 +218,5 @@ def _path(path: tuple) -> str:
 # The front doors import the sampling-field pieces from here too: one place to look.
 __all__ = ["FieldError", "MAX_JSON_DEPTH", "NATIVE_NOT_IMPLEMENTED", "OPENAI_NOT_IMPLEMENTED",
            "RequestLimits", "SamplingParams", "check_fits", "check_input_ids", "check_json_value",
-           "check_text", "max_chars_per_token", "refuse_not_implemented", "validate_request"]
+           "check_logprob", "check_text", "max_chars_per_token", "parse_logprob",
+           "refuse_not_implemented", "validate_request"]
