@@ -97,7 +97,7 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
     rids = _rids(body.get("rid"), len(prompts))
     for p, sp in zip(prompts, params):
         validate_request(p, sp, limits)
-    logprob = [parse_logprob(body, len(p)) for p in prompts]
+    logprob = [parse_logprob(body, len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
     with_text = body.get("return_text_in_logprobs")
     with_text = False if with_text is None else expect_bool("return_text_in_logprobs", with_text)
     req = GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,

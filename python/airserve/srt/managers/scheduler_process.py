@@ -149,7 +149,7 @@ class SchedulerLoop:
 
         try:
             params = validate_request(msg.input_ids, msg.sampling_params, self.limits)
-            check_logprob(msg.logprob, len(msg.input_ids))
+            check_logprob(msg.logprob, len(msg.input_ids), params.max_new_tokens)
             req = build_req(self.core.tokenizer, msg.input_ids, params, rid=msg.rid,
                             stream=msg.stream, logprob=msg.logprob)
             self.scheduler.add_request(req)

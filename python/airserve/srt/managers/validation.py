@@ -35,17 +35,23 @@ NATIVE_NOT_IMPLEMENTED: dict[str, tuple] = {
     "input_embeds": ([],), "image_data": ([], ""), "video_data": ([], ""),
     "audio_data": ([], ""), "lora_path": ([], ""), "session_params": ({},),
     "custom_logit_processor": ("",),
+    # Output-changing SGLang fields beyond the above (logprobs of chosen ids, bytes, LoRA by
+    # id, MoE routing, forced reasoning).
+    "token_ids_logprob": ([],), "return_bytes": (False,), "lora_id": ("",),
+    "return_routed_experts": (False,), "require_reasoning": (False,),
 }
 # OpenAI (and SGLang's OpenAI extensions) fields that airserve does not implement.
 OPENAI_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
-    "best_of": (1,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "regex": (), "json_schema": (),
     "ebnf": (), "structural_tag": (), "stop_regex": (), "no_stop_trim": (False,),
     "spaces_between_special_tokens": (True,), "continue_final_message": (False,),
     "chat_template_kwargs": ({},), "lora_path": ("",), "session_params": ({},),
     "return_hidden_states": (False,), "audio": (), "modalities": (["text"],),
     "response_format": ({"type": "text"},),
+    # Output-changing fields of OpenAI's and vLLM's newer protocols, accepted by SGLang.
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "prompt_logprobs": (),
+    "sampling_seed": (), "token_ids_logprob": ([],),
 }
 
 
@@ -164,7 +170,7 @@ def validate_request(input_ids: object, sampling_params: Mapping | SamplingParam
 MAX_TOP_LOGPROBS = 100  # top logprobs per position; more would only bloat the answer
 
 
-def parse_logprob(body: Mapping, prompt_len: int) -> LogprobParams | None:
+def parse_logprob(body: Mapping, prompt_len: int, max_new_tokens: int) -> LogprobParams | None:
     """/generate's logprob fields (SGLang's names), checked; None when none is asked."""
     want = body.get("return_logprob")
     if want is None or want is False:
@@ -175,15 +181,21 @@ def parse_logprob(body: Mapping, prompt_len: int) -> LogprobParams | None:
     params = LogprobParams(
         True, 0 if top is None else expect_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS),
         -1 if start is None else expect_int("logprob_start_len", start, -1, INT32_MAX))
-    check_logprob(params, prompt_len)
+    check_logprob(params, prompt_len, max_new_tokens)
     return params
 
 
-def check_logprob(params: LogprobParams | None, prompt_len: int) -> None:
-    """The first listed prompt position must be inside the prompt."""
-    if params is not None and params.logprob_start_len >= prompt_len:
+def check_logprob(params: LogprobParams | None, prompt_len: int, max_new_tokens: int) -> None:
+    """The first listed prompt position must be inside the prompt; prompt logprobs need a
+    forward pass, which a request for no new token does not run."""
+    if params is None:
+        return
+    if params.logprob_start_len >= prompt_len:
         raise FieldError("logprob_start_len", f"must be < the prompt length ({prompt_len} "
                                               f"tokens), got {params.logprob_start_len}")
+    if max_new_tokens == 0 and params.start(prompt_len) < prompt_len - 1:
+        raise FieldError("max_new_tokens", "must be >= 1 for prompt logprobs (they come from "
+                                           "the forward pass that produces the first token)")
 
 
 def check_json_value(value: object, max_depth: int = MAX_JSON_DEPTH) -> None:
