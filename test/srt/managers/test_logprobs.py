@@ -126,3 +126,16 @@ def test_logit_bias_forces_a_token_and_logprobs_stay_raw(engine, hf):
     banned = {**GREEDY, "logit_bias": {str(t): -100.0 for t in free.output_ids}}
     (req,) = run(engine, [p], LogprobParams(), banned)
     assert not set(req.output_ids) & set(free.output_ids)
+
+
+def test_graph_runner_replay_gives_the_same_logprobs(tiny_llama_dir, hf):
+    """Decode steps replayed by the CPU graph runner (inductor): output logprobs from the
+    replay's logits, the same tolerance."""
+    engine = Engine(model_path=tiny_llama_dir, max_total_tokens=1024, max_running_requests=2,
+                    enable_torch_compile=True, cuda_graph_bs=(1, 2))
+    vocab = engine.model_runner.model_config.vocab_size
+    reqs = run(engine, prompts(vocab, [7, 13], seed=12), LogprobParams(True, 2, 0))
+    runner = engine.model_runner
+    assert runner.graph_replays >= GREEDY["max_new_tokens"] - 1 and not runner.fallback_counts
+    for req in reqs:
+        check_against_reference(hf, req, 0, 2)
