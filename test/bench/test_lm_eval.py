@@ -42,6 +42,7 @@ def loglikelihoods(result: dict, task: str) -> list[float]:
                                                 key=lambda s: s["doc_id"])]
 
 
+@pytest.mark.slow  # a server, two lm-eval runs and transformers: ~50 s of CPU, longer when busy
 def test_local_completions_matches_lm_eval_hf(server, tiny_llama_dir, monkeypatch):
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
