@@ -206,6 +206,7 @@ BAD_VALUES = [
     ("/generate", {"return_logprob": True, "logprob_start_len": 0,
                    "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
     ("/v1/completions", {"logprobs": 101}, "logprobs"),
+    ("/v1/completions", {"logprobs": 1, "echo": True, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),

@@ -132,10 +132,16 @@ def test_graph_runner_replay_gives_the_same_logprobs(tiny_llama_dir, hf):
     """Decode steps replayed by the CPU graph runner (inductor): output logprobs from the
     replay's logits, the same tolerance."""
     engine = Engine(model_path=tiny_llama_dir, max_total_tokens=1024, max_running_requests=2,
-                    enable_torch_compile=True, cuda_graph_bs=(1, 2))
+                    enable_torch_compile=True, cuda_graph_bs=(2,))  # one bucket: one compile
     vocab = engine.model_runner.model_config.vocab_size
     reqs = run(engine, prompts(vocab, [7, 13], seed=12), LogprobParams(True, 2, 0))
     runner = engine.model_runner
     assert runner.graph_replays >= GREEDY["max_new_tokens"] - 1 and not runner.fallback_counts
     for req in reqs:
         check_against_reference(hf, req, 0, 2)
+
+
+def test_offline_engine_still_refuses_n(engine):
+    """n > 1 is a front-door expansion (HTTP); the offline Engine refuses it by name."""
+    with pytest.raises(ValueError, match="n: not supported"):
+        engine.generate(input_ids=[1, 2, 3], sampling_params={"n": 2})

@@ -178,7 +178,7 @@ def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) 
     if req.echo:
         prepared.echo_texts = echo_texts(req, prompts, tokenizer)
     for ids in prompts:
-        check_logprob(prepared.logprob, len(ids), max_tokens)
+        check_logprob(prepared.logprob, len(ids), max_tokens, "max_tokens")
     return prepared
 
 

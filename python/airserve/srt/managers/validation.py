@@ -185,17 +185,19 @@ def parse_logprob(body: Mapping, prompt_len: int, max_new_tokens: int) -> Logpro
     return params
 
 
-def check_logprob(params: LogprobParams | None, prompt_len: int, max_new_tokens: int) -> None:
+def check_logprob(params: LogprobParams | None, prompt_len: int, max_new_tokens: int,
+                  tokens_field: str = "max_new_tokens") -> None:
     """The first listed prompt position must be inside the prompt; prompt logprobs need a
-    forward pass, which a request for no new token does not run."""
+    forward pass, which a request for no new token does not run (`tokens_field` names the
+    request's field for max_new_tokens)."""
     if params is None:
         return
     if params.logprob_start_len >= prompt_len:
         raise FieldError("logprob_start_len", f"must be < the prompt length ({prompt_len} "
                                               f"tokens), got {params.logprob_start_len}")
     if max_new_tokens == 0 and params.start(prompt_len) < prompt_len - 1:
-        raise FieldError("max_new_tokens", "must be >= 1 for prompt logprobs (they come from "
-                                           "the forward pass that produces the first token)")
+        raise FieldError(tokens_field, "must be >= 1 for prompt logprobs (they come from the "
+                                       "forward pass that produces the first token)")
 
 
 def check_json_value(value: object, max_depth: int = MAX_JSON_DEPTH) -> None:
