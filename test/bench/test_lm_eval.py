@@ -1,7 +1,7 @@
 """lm-eval's `local-completions` model against a real airserve server on the tiny float32
 model: one loglikelihood and one generate_until task on the packaged GSM8K rows
 (benchmark/lm_eval/tasks), no hub access. The loglikelihoods must equal those of lm-eval's own
-`hf` model on the same weights within 1e-3 (absolute, per continuation: a sum over its
+`hf` model on the same weights within 1e-4 (absolute, per continuation: a sum over its
 tokens of float32 logprobs from two different implementations).
 """
 
@@ -17,7 +17,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra")
 
 TASKS = str(Path(__file__).resolve().parents[2] / "benchmark" / "lm_eval" / "tasks")
 LIMIT = 3
-ATOL = 1e-3
+ATOL = 1e-4  # measured: 1.05e-05 on three GSM8K answers
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -55,7 +55,9 @@ def test_local_completions_matches_lm_eval_hf(server, tiny_llama_dir, monkeypatc
     got = loglikelihoods(ours, "airserve_gsm8k_loglikelihood")
     want = loglikelihoods(ref, "airserve_gsm8k_loglikelihood")
     assert len(got) == LIMIT and all(x < 0 for x in got)
-    assert max(abs(a - b) for a, b in zip(got, want)) < ATOL, (got, want)
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    print(f"loglikelihoods: airserve {got}, lm-eval hf {want}, max |diff| {diff:.2e}")
+    assert diff < ATOL, (got, want)
     generated = ours["samples"]["airserve_gsm8k_generate"]
     assert len(generated) == LIMIT and all(isinstance(s["resps"][0][0], str) for s in generated)
     assert "exact_match,last_number" in ours["results"]["airserve_gsm8k_generate"]
