@@ -6,6 +6,8 @@ temperature and top-k/top-p/min-p; `airserve.srt.sampling.logprobs`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from airserve.srt.managers.tokenizer_manager import ReqOutput
 from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
 from airserve.srt.tokenizer import Tokenizer
@@ -74,11 +76,6 @@ def completion_logprobs(scored: list[TokenLogprob], text: TokenText, offset: int
             "text_offset": offsets}
 
 
-def join_completion_logprobs(parts: list[dict]) -> dict:
-    return {k: [v for p in parts for v in p[k]] for k in
-            ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
 def chat_logprobs(scored: list[TokenLogprob], text: TokenText) -> dict:
     """/v1/chat/completions `logprobs`: {"content": [one entry per token]}."""
     def one(lp: float, token: int) -> dict:
@@ -88,3 +85,32 @@ def chat_logprobs(scored: list[TokenLogprob], text: TokenText) -> dict:
     return {"content": [{**one(t.logprob, t.token_id),
                          "top_logprobs": [one(lp, tok) for lp, tok in t.top or ()]}
                         for t in scored]}
+
+
+@dataclass
+class ChoiceShape:
+    """How an OpenAI choice reads: chat or completion, its echo and its logprobs. Choice i
+    answers prompt i // n."""
+
+    chat: bool
+    text: TokenText
+    logprob: LogprobParams | None
+    prompts: list[list[int]]
+    n: int
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+    def content(self, i: int, out: ReqOutput) -> str:
+        return out.text if self.echo_texts is None else self.echo_texts[i // self.n] + out.text
+
+    def logprobs(self, i: int, out: ReqOutput, sent: int = 0) -> dict | None:
+        """Choice i's logprobs of output tokens from `sent` on (with echo and nothing sent,
+        the prompt's first)."""
+        if self.logprob is None:
+            return None
+        scored = out.output_logprobs[sent:]
+        if self.chat:
+            return chat_logprobs(scored, self.text)
+        if self.echo_texts is None or sent:
+            return completion_logprobs(scored, self.text)
+        return completion_logprobs((out.input_logprobs or []) + scored, self.text,
+                                   first=self.prompts[i // self.n][0])

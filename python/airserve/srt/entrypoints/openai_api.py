@@ -33,11 +33,7 @@ from airserve.srt.entrypoints.http_utils import (
     sse,
     stream_response,
 )
-from airserve.srt.entrypoints.logprob_format import (
-    TokenText,
-    chat_logprobs,
-    completion_logprobs,
-)
+from airserve.srt.entrypoints.logprob_format import ChoiceShape, TokenText
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.managers.validation import (
     MAX_TOP_LOGPROBS,
@@ -320,40 +316,14 @@ class OpenAIServing:
                        ids, p, stream=req.stream, logprob=prepared.logprob) for p in choices])]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        shape = ChoiceShape(chat, TokenText(self.manager.tokenizer), prepared)
+        shape = ChoiceShape(chat, TokenText(self.manager.tokenizer), prepared.logprob,
+                            prepared.prompts, req.n, prepared.echo_texts)
         if not req.stream:
             outputs = await final_outputs(request, streams)
             return JSONResponse(_response(rid, created, model, outputs, req.n, shape))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(request, streams, lambda outputs: _stream_chunks(
             rid, created, model, outputs, len(streams), req.n, shape, include_usage))
-
-
-@dataclass
-class ChoiceShape:
-    """How choice i's output reads: chat or completion, its echo and its logprobs."""
-
-    chat: bool
-    text: TokenText
-    prepared: Prepared
-
-    def content(self, i: int, out: ReqOutput) -> str:
-        echo = self.prepared.echo_texts
-        return out.text if echo is None else echo[i // self.prepared.req.n] + out.text
-
-    def logprobs(self, i: int, out: ReqOutput, sent: int = 0) -> dict | None:
-        """Choice i's logprobs of output tokens from `sent` on (with echo and nothing sent,
-        the prompt's first)."""
-        if self.prepared.logprob is None:
-            return None
-        scored = out.output_logprobs[sent:]
-        if self.chat:
-            return chat_logprobs(scored, self.text)
-        if self.prepared.echo_texts is None or sent:
-            return completion_logprobs(scored, self.text)
-        prompt = self.prepared.prompts[i // self.prepared.req.n]
-        return completion_logprobs((out.input_logprobs or []) + scored, self.text,
-                                   first=prompt[0])
 
 
 def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,
