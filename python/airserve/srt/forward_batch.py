@@ -48,6 +48,12 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None  # cached tokens per request
     last_token_indices: torch.Tensor | None = None  # [bs] int64 rows of the last new tokens
     return_all_logits: bool = False
+    # EXTEND rows whose logits the forward returns, when some request needs more than its last
+    # token's (prompt logprobs): [rows] int64 token rows, grouped by request in batch order,
+    # each group ending with that request's last new token; `logit_counts_cpu` is the size of
+    # each group. None: one row per request (`last_token_indices`).
+    logit_rows: torch.Tensor | None = None
+    logit_counts_cpu: list[int] | None = None
     # Set by the model runner and its attention backend before the forward pass.
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None

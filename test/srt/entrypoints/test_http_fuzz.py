@@ -37,7 +37,7 @@ scalars = st.one_of(
 )
 INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "seed", "n", "stream_interval",
               "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs", "best_of",
-              "logprobs"}
+              "logprobs", "top_logprobs_num", "logprob_start_len"}
 FLOAT_FIELDS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                 "repetition_penalty"}
 json_values = st.recursive(scalars, lambda inner: st.one_of(
@@ -61,6 +61,7 @@ OPENAI = ["model", "temperature", "top_p", "top_k", "min_p", "frequency_penalty"
 ENDPOINTS = {
     "generate": ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 3}},
                  ["text", "input_ids", "stream", "rid", "sampling_params", "return_logprob",
+                  "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs",
                   "lora_path", "image_data", "log_metrics"]),
     "completions": ("/v1/completions", {"prompt": "Hello", "max_tokens": 3},
                     OPENAI + ["prompt"]),

@@ -17,6 +17,7 @@ from airserve.srt.managers.validation import (
     check_json_value,
     check_text,
     max_chars_per_token,
+    parse_logprob,
     validate_request,
 )
 from airserve.srt.sampling.sampling_params import NOT_IMPLEMENTED, RULES
@@ -38,7 +39,37 @@ def field_error(params: dict, field: str) -> str:
 
 
 def test_every_rule_is_exercised_here():
-    assert set(RULES) == set(INTS + FLOATS + BOOLS + ("stop", "stop_token_ids"))
+    assert set(RULES) == set(INTS + FLOATS + BOOLS + ("stop", "stop_token_ids", "logit_bias"))
+
+
+def test_logit_bias_keys_values_and_vocabulary():
+    params = SamplingParams.from_dict({"logit_bias": {"5": 100, 7: -100.0, "0": 0.5}})
+    assert params.logit_bias == {5: 100.0, 7: -100.0, 0: 0.5}
+    for bad in ({"5": 100.5}, {"5": math.nan}, {"5": True}, {"-1": 1}, {"a": 1}, {"5.0": 1},
+                [5], "5"):
+        with pytest.raises(FieldError) as e:
+            SamplingParams.from_dict({"logit_bias": bad})
+        assert e.value.field.startswith("logit_bias"), str(e.value)
+    with pytest.raises(FieldError, match="not in the vocabulary"):
+        validate_request([1, 2], {"logit_bias": {"300": 1}}, LIMITS)
+    assert validate_request([1, 2], {"logit_bias": {"299": 1}}, LIMITS).logit_bias == {299: 1}
+
+
+def test_logprob_fields():
+    assert parse_logprob({"return_logprob": False, "top_logprobs_num": 3}, 5, 1) is None
+    lp = parse_logprob({"return_logprob": True, "top_logprobs_num": 3}, 5, 1)
+    assert (lp.top_logprobs_num, lp.start(5)) == (3, 4)
+    assert parse_logprob({"return_logprob": True, "logprob_start_len": 0}, 5, 1).start(5) == 0
+    for body, field in [({"return_logprob": 1}, "return_logprob"),
+                        ({"return_logprob": True, "top_logprobs_num": 101}, "top_logprobs_num"),
+                        ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+                        ({"return_logprob": True, "logprob_start_len": 5}, "logprob_start_len")]:
+        with pytest.raises(FieldError) as e:
+            parse_logprob(body, 5, 1)
+        assert e.value.field == field
+    with pytest.raises(FieldError, match="max_new_tokens"):
+        parse_logprob({"return_logprob": True, "logprob_start_len": 0}, 5, 0)
+    assert parse_logprob({"return_logprob": True}, 5, 0).start(5) == 4  # nothing to compute
 
 
 @pytest.mark.parametrize("name", INTS)

@@ -149,6 +149,29 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
             task.cancel()
 
 
+def share_prompt(streams: list[AsyncIterator[T]]) -> list[AsyncIterator[T]]:
+    """The n streams of one prompt (n > 1): the first runs alone until its first output, when
+    its prompt is prefilled and in the prefix cache; then the others start and reuse it."""
+    if len(streams) < 2:
+        return streams
+    prefilled = asyncio.Event()
+
+    async def first() -> AsyncIterator[T]:
+        try:
+            async for item in streams[0]:
+                prefilled.set()
+                yield item
+        finally:
+            prefilled.set()
+
+    async def later(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        await prefilled.wait()
+        async for item in stream:
+            yield item
+
+    return [first()] + [later(s) for s in streams[1:]]
+
+
 async def collect_final(streams: list[AsyncIterator[T]]) -> list[T]:
     """The last item of each stream, in stream order."""
     last: list = [None] * len(streams)

@@ -2,16 +2,19 @@
 
 Accepts what SGLang's clients send: `text` or `input_ids`, one or a list, `sampling_params` (one
 dict or one per prompt), `stream`, `rid`; SGLang fields airserve does not implement are refused
-when set (`NATIVE_NOT_IMPLEMENTED`); other unknown or null top-level fields (client bookkeeping
-such as `priority` or `log_metrics`) are ignored. Streaming sends `data: <json>` events whose
-`text` and `meta_info.completion_tokens` are cumulative, then `data: [DONE]`.
+when set (`NATIVE_NOT_IMPLEMENTED`). Logprobs (`return_logprob`, `top_logprobs_num`,
+`logprob_start_len`, `return_text_in_logprobs`) come in `meta_info` as SGLang lays them out;
+`sampling_params.n` > 1 answers n samples per prompt (a list, prompt by prompt). Other unknown
+or null top-level fields (client bookkeeping such as `priority` or `log_metrics`) are ignored.
+Streaming sends `data: <json>` events whose `text`, `meta_info.completion_tokens` and logprob
+lists are cumulative, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from fastapi import Request
@@ -21,9 +24,11 @@ from airserve.srt.entrypoints.http_utils import (
     final_outputs,
     off_loop,
     parse_json_object,
+    share_prompt,
     sse,
     stream_response,
 )
+from airserve.srt.entrypoints.logprob_format import TokenText, sglang_logprobs
 from airserve.srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 from airserve.srt.managers.validation import (
     NATIVE_NOT_IMPLEMENTED,
@@ -31,11 +36,21 @@ from airserve.srt.managers.validation import (
     RequestLimits,
     check_input_ids,
     check_text,
+    parse_logprob,
     refuse_not_implemented,
     validate_request,
 )
-from airserve.srt.sampling.sampling_params import SamplingParams, expect_bool, show
+from airserve.srt.sampling.logprobs import LogprobParams
+from airserve.srt.sampling.sampling_params import (
+    INT64_MAX,
+    SamplingParams,
+    expect_bool,
+    expect_int,
+    show,
+)
 from airserve.srt.tokenizer import Tokenizer
+
+MAX_N = 64  # parallel samples per prompt; more is refused, not queued
 
 
 @dataclass
@@ -45,6 +60,9 @@ class GenerateRequest:
     stream: bool
     rids: list[str | None]
     single: bool
+    logprob: list[LogprobParams | None] = field(default_factory=list)  # per prompt
+    text_in_logprobs: bool = False
+    n: int = 1  # samples per prompt: prompt i's are requests i*n .. i*n+n-1
 
 
 def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> GenerateRequest:
@@ -73,14 +91,32 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
                                           f"such lists, got {show(ids)}")
         names = ["input_ids"] if single else [f"input_ids.{i}" for i in range(len(batch))]
         prompts = [check_input_ids(p, limits, name) for p, name in zip(batch, names)]
-    params = _sampling_params(body.get("sampling_params"), len(prompts))
+    params, n = _sampling_params(body.get("sampling_params"), len(prompts))
     stream = body.get("stream")
     stream = False if stream is None else expect_bool("stream", stream)
     rids = _rids(body.get("rid"), len(prompts))
     for p, sp in zip(prompts, params):
         validate_request(p, sp, limits)
-    return GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,
-                           single)
+    logprob = [parse_logprob(body, len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
+    with_text = body.get("return_text_in_logprobs")
+    with_text = False if with_text is None else expect_bool("return_text_in_logprobs", with_text)
+    req = GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,
+                          single, logprob, with_text, n)
+    return _expand(req) if n > 1 else req
+
+
+def _expand(req: GenerateRequest) -> GenerateRequest:
+    """n requests per prompt, their seeds offset per sample (one seed would make them equal)."""
+    n = req.n
+    params = []
+    for p in req.params:
+        for j in range(n):
+            seed = p["seed"]
+            params.append({**p, "seed": None if seed is None else (seed + j) % (INT64_MAX + 1)})
+    rids = [None if r is None else f"{r}-{j}" for r in req.rids for j in range(n)]
+    return dataclasses.replace(
+        req, prompts=[p for p in req.prompts for _ in range(n)], params=params, rids=rids,
+        logprob=[lp for lp in req.logprob for _ in range(n)], single=False)
 
 
 def _rids(raw, n: int) -> list[str | None]:
@@ -95,20 +131,33 @@ def _rids(raw, n: int) -> list[str | None]:
                             f"ones, one per prompt; got {show(raw)}")
 
 
-def _sampling_params(raw, n: int) -> list[SamplingParams]:
+def _sampling_params(raw, n: int) -> tuple[list[SamplingParams], int]:
+    """One SamplingParams per prompt, and `n` (samples per prompt, the same for all)."""
     if raw is None or isinstance(raw, dict):
+        samples, raw = _pop_n(raw, "sampling_params.")
         params = SamplingParams.from_dict(raw, prefix="sampling_params.")
-        return [params] * n
+        return [params] * n, samples
     if not isinstance(raw, list):
         raise FieldError("sampling_params", f"must be an object or a list of objects, got "
                                             f"{show(raw)}")
     if len(raw) != n:
         raise FieldError("sampling_params", f"has {len(raw)} entries for {n} prompts")
+    popped = [_pop_n(p, f"sampling_params.{i}.") for i, p in enumerate(raw)]
+    if len({samples for samples, _ in popped}) > 1:
+        raise FieldError("sampling_params.n", "must be the same for every prompt")
     return [SamplingParams.from_dict(p, prefix=f"sampling_params.{i}.")
-            for i, p in enumerate(raw)]
+            for i, (_, p) in enumerate(popped)], popped[0][0]
 
 
-def output_dict(out: ReqOutput, index: int | None = None) -> dict:
+def _pop_n(raw, prefix: str) -> tuple[int, object]:
+    if not isinstance(raw, dict) or raw.get("n") is None:
+        return 1, raw
+    rest = {k: v for k, v in raw.items() if k != "n"}
+    return expect_int(prefix + "n", raw["n"], 1, MAX_N), rest
+
+
+def output_dict(out: ReqOutput, index: int | None = None, prompt: list[int] | None = None,
+                logprob: LogprobParams | None = None, text: TokenText | None = None) -> dict:
     meta = {
         "id": out.rid,
         "finish_reason": out.finished_reason,
@@ -117,6 +166,8 @@ def output_dict(out: ReqOutput, index: int | None = None) -> dict:
         "cached_tokens": out.cached_tokens,
         "e2e_latency": out.e2e_latency,
     }
+    if logprob is not None:
+        meta.update(sglang_logprobs(out, prompt, logprob, text))
     d = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
     if index is not None:
         d["index"] = index
@@ -125,15 +176,26 @@ def output_dict(out: ReqOutput, index: int | None = None) -> dict:
 
 async def generate(request: Request, manager: TokenizerManager, limits: RequestLimits):
     req = await off_loop(parse_generate, await request.body(), manager.tokenizer, limits)
-    streams = [manager.generate(ids, p, stream=req.stream, rid=rid)
-               for ids, p, rid in zip(req.prompts, req.params, req.rids)]
+    streams = [manager.generate(ids, p, stream=req.stream, rid=rid, logprob=lp)
+               for ids, p, rid, lp in zip(req.prompts, req.params, req.rids, req.logprob)]
+    streams = [s for i in range(0, len(streams), req.n) for s in share_prompt(
+        streams[i:i + req.n])]
+    text = TokenText(manager.tokenizer) if req.text_in_logprobs else None
+    shape = partial(_shape, req=req, text=text)
     if req.stream:
-        return await stream_response(request, streams, partial(_events, single=req.single))
-    result = [output_dict(o) for o in await final_outputs(request, streams)]
+        return await stream_response(request, streams,
+                                     partial(_events, shape=shape, single=req.single))
+    outputs = await final_outputs(request, streams)
+    result = [shape(i, o, single=False) for i, o in enumerate(outputs)]
     return JSONResponse(result[0] if req.single else result)
 
 
-async def _events(outputs: AsyncIterator[tuple[int, ReqOutput]],
+def _shape(i: int, out: ReqOutput, req: GenerateRequest, text: TokenText | None,
+           single: bool) -> dict:
+    return output_dict(out, None if single else i, req.prompts[i], req.logprob[i], text)
+
+
+async def _events(outputs: AsyncIterator[tuple[int, ReqOutput]], shape,
                   single: bool) -> AsyncIterator[bytes]:
     async for i, out in outputs:
-        yield sse(output_dict(out, None if single else i))
+        yield sse(shape(i, out, single=single))

@@ -5,8 +5,11 @@ check (`managers/validation.py`); fields airserve does not implement are refused
 (`OPENAI_NOT_IMPLEMENTED`), other unknown fields (client bookkeeping such as `user`) are ignored,
 as SGLang does. Parsing, validation and tokenization run off the event loop. A request becomes
 one airserve request per (prompt, choice), and the outputs are shaped into
-OpenAI's responses or SSE chunks. Every streamed chunk carries a non-empty `choices[0]`
-(SGLang's and vLLM's benchmark clients index it unconditionally), the usage chunk included.
+OpenAI's responses or SSE chunks. Logprobs: chat `logprobs` / `top_logprobs`, completions
+`logprobs: k` and `echo` (the prompt's logprobs too, its first token's null), of the model's raw
+distribution; the n choices of a prompt start once the first has prefilled it (prefix cache).
+Every streamed chunk carries a non-empty `choices[0]` (SGLang's and vLLM's benchmark clients
+index it unconditionally), the usage chunk included.
 """
 
 from __future__ import annotations
@@ -26,20 +29,25 @@ from airserve.srt.entrypoints.http_utils import (
     final_outputs,
     off_loop,
     parse_json_object,
+    share_prompt,
     sse,
     stream_response,
 )
+from airserve.srt.entrypoints.logprob_format import ChoiceShape, TokenText
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.managers.validation import (
+    MAX_TOP_LOGPROBS,
     OPENAI_NOT_IMPLEMENTED,
     FieldError,
     RequestLimits,
     check_fits,
     check_input_ids,
+    check_logprob,
     check_text,
     refuse_not_implemented,
     validate_request,
 )
+from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
     INT32_MAX,
     INT64_MAX,
@@ -84,11 +92,14 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
+    logit_bias: dict[str, int | float] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
 
 class ContentPart(BaseModel):
@@ -106,6 +117,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def parse_request(model: type[_Strict], body: dict) -> _Strict:
@@ -144,13 +157,35 @@ class Prepared:
     req: _SamplingFields
     prompts: list[list[int]]
     params: list[list[dict]]  # [prompt][choice], SamplingParams as dicts
+    logprob: LogprobParams | None = None  # the same for every prompt
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
 
 
 def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
     req = parse_request(CompletionRequest, parse_json_object(raw))
     prompts = completion_prompts(req, tokenizer, limits)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-    return _prepared(req, prompts, max_tokens, limits)
+    if req.echo and req.stream:
+        raise FieldError("echo", "not supported with stream: true; ask without streaming")
+    prepared = _prepared(req, prompts, max_tokens, limits)
+    if req.logprobs is not None:
+        # echo: the prompt's logprobs too, from its first token (whose logprob is null).
+        prepared.logprob = LogprobParams(True, req.logprobs, 0 if req.echo else -1)
+    if req.echo:
+        prepared.echo_texts = echo_texts(req, prompts, tokenizer)
+    for ids in prompts:
+        check_logprob(prepared.logprob, len(ids), max_tokens, "max_tokens")
+    return prepared
+
+
+def echo_texts(req: CompletionRequest, prompts: list[list[int]],
+               tokenizer: Tokenizer) -> list[str]:
+    """The text each prompt echoes: as sent, or decoded when sent as token ids."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if isinstance(req.prompt[0], str):
+        return list(req.prompt)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
@@ -160,7 +195,12 @@ def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Pre
         else req.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: up to the context length
         max_tokens = max(limits.context_length - len(prompt), 0)
-    return _prepared(req, [prompt], max_tokens, limits)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise FieldError("top_logprobs", "needs logprobs: true")
+    prepared = _prepared(req, [prompt], max_tokens, limits)
+    if req.logprobs:
+        prepared.logprob = LogprobParams(True, req.top_logprobs or 0, -1)
+    return prepared
 
 
 def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
@@ -184,7 +224,7 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> S
         "min_p": req.min_p, "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty, "repetition_penalty": req.repetition_penalty,
         "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "logit_bias": req.logit_bias,
         # n choices with one seed would all be equal; offset it per choice.
         "seed": None if req.seed is None else (req.seed + choice) % (INT64_MAX + 1),
     }
@@ -271,36 +311,40 @@ class OpenAIServing:
     async def _serve(self, request: Request, prepared: Prepared, chat: bool):
         req = prepared.req
         model = resolve_model(req, self.model_names)
-        streams = [self.manager.generate(ids, p, stream=req.stream)
-                   for ids, choices in zip(prepared.prompts, prepared.params) for p in choices]
+        streams = [s for ids, choices in zip(prepared.prompts, prepared.params)
+                   for s in share_prompt([self.manager.generate(
+                       ids, p, stream=req.stream, logprob=prepared.logprob) for p in choices])]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        shape = ChoiceShape(chat, TokenText(self.manager.tokenizer), prepared.logprob,
+                            prepared.prompts, req.n, prepared.echo_texts)
         if not req.stream:
             outputs = await final_outputs(request, streams)
-            return JSONResponse(_response(rid, created, model, outputs, req.n, chat))
+            return JSONResponse(_response(rid, created, model, outputs, req.n, shape))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(request, streams, lambda outputs: _stream_chunks(
-            rid, created, model, outputs, len(streams), req.n, chat, include_usage))
+            rid, created, model, outputs, len(streams), req.n, shape, include_usage))
 
 
 def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,
-              chat: bool) -> dict:
+              shape: ChoiceShape) -> dict:
     choices = []
     for i, out in enumerate(outputs):
-        choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(out)}
-        if chat:
+        choice = {"index": i, "logprobs": shape.logprobs(i, out),
+                  "finish_reason": finish_reason(out)}
+        if shape.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice["text"] = out.text
+            choice["text"] = shape.content(i, out)
         choices.append(choice)
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+    return {"id": rid, "object": "chat.completion" if shape.chat else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": usage(outputs, n)}
 
 
 def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
            reason: str | None, chat: bool, usage_: dict | None = None,
-           role: bool = False) -> bytes:
-    choice: dict = {"index": index, "logprobs": None, "finish_reason": reason}
+           role: bool = False, logprobs: dict | None = None) -> bytes:
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": reason}
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
@@ -314,8 +358,10 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
 
 async def _stream_chunks(rid: str, created: int, model: str,
                          outputs: AsyncIterator[tuple[int, ReqOutput]], num: int, n: int,
-                         chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+                         shape: ChoiceShape, include_usage: bool) -> AsyncIterator[bytes]:
+    chat = shape.chat
     sent = [0] * num  # characters of each choice's text already streamed
+    sent_tokens = [0] * num  # and tokens whose logprobs were
     last: list[ReqOutput | None] = [None] * num
     if chat:
         for i in range(num):
@@ -324,8 +370,12 @@ async def _stream_chunks(rid: str, created: int, model: str,
         last[i] = out
         piece = out.text[sent[i]:]
         sent[i] = len(out.text)
-        if piece or out.finished:
-            yield _chunk(rid, created, model, i, piece, finish_reason(out), chat)
+        logprobs = shape.logprobs(i, out, sent_tokens[i])
+        new_tokens = out.completion_tokens > sent_tokens[i]
+        sent_tokens[i] = out.completion_tokens
+        if piece or out.finished or (logprobs and new_tokens):
+            yield _chunk(rid, created, model, i, piece, finish_reason(out), chat,
+                         logprobs=logprobs)
     if include_usage:
         yield _chunk(rid, created, model, 0, "" if chat else None, None, chat,
                      usage_=usage(last, n))

@@ -15,6 +15,7 @@ from airserve.srt.managers.req import Req
 from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
 from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.model_executor.model_runner import ModelRunner
+from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.server_args import ServerArgs
 from airserve.srt.tokenizer import IncrementalDecoder, Tokenizer, get_tokenizer
@@ -23,11 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_req(tokenizer: Tokenizer, input_ids: list[int], params: SamplingParams,
-              rid: str | None = None, stream: bool = False) -> Req:
+              rid: str | None = None, stream: bool = False,
+              logprob: LogprobParams | None = None) -> Req:
     """A Req with its incremental decoder (and seeded generator, from the params)."""
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
     return Req(rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params,
-               decoder=decoder, stream=stream)
+               decoder=decoder, stream=stream, logprob=logprob)
 
 
 def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int, ...]:

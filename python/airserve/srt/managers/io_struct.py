@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
+
 # HTTP process -> scheduler process.
 
 
@@ -21,6 +23,7 @@ class GenerateReqInput:
     input_ids: list[int]
     sampling_params: dict
     stream: bool = False
+    logprob: LogprobParams | None = None  # None: no logprobs
 
 
 @dataclass
@@ -76,6 +79,10 @@ class ReqDelta:
     text: str
     finished_reason: dict | None = None  # {"type": "stop" | "length" | "abort", ...}
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # Logprob requests only: the prompt's (once, with the first token: logprobs of prompt
+    # tokens logprob_start + 1, ...) and those of `new_output_ids`.
+    input_logprobs: list[TokenLogprob] | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass

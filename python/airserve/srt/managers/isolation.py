@@ -103,4 +103,14 @@ def sub_batch(fb: ForwardBatch, i: int) -> ForwardBatch:
                                          device=fb.input_ids.device)
                             if fb.last_token_indices is not None else None),
         return_all_logits=fb.return_all_logits,
+        **_sub_logit_rows(fb, i, start, end),
     )
+
+
+def _sub_logit_rows(fb: ForwardBatch, i: int, start: int, end: int) -> dict:
+    """Row i's group of `fb.logit_rows`, relative to its own tokens."""
+    if fb.logit_rows is None:
+        return {}
+    first = sum(fb.logit_counts_cpu[:i])
+    rows = fb.logit_rows[first:first + fb.logit_counts_cpu[i]] - start
+    return {"logit_rows": rows, "logit_counts_cpu": [int(rows.numel())]}

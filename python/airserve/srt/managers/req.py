@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.tokenizer import IncrementalDecoder
 
@@ -39,6 +40,14 @@ class Req:
     # Output text sent so far, for streaming deltas.
     sent_text_len: int = 0
     sent_token_len: int = 0
+    # Logprobs (None: not asked). `input_logprobs[i]` is the logprob of prompt token
+    # `logprob_start + 1 + i`, from the logits at the position before it; `output_logprobs[i]`
+    # that of output token i. Both only grow; `sent_*` count what went to the client.
+    logprob: LogprobParams | None = None
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_input_logprobs: bool = False
+    sent_output_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -47,6 +56,21 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def logprob_start(self) -> int:
+        """First prompt position listed in input_token_logprobs (meaningful with `logprob`)."""
+        return self.logprob.start(len(self.input_ids)) if self.logprob else len(self.input_ids)
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first prompt position whose logits are still needed for input logprobs (they
+        predict the next prompt token), or None when none are: a prefill must compute from
+        there, so the prefix cache may supply at most this many tokens."""
+        if self.logprob is None or not self.logprob.return_logprob:
+            return None
+        pos = self.logprob_start + len(self.input_logprobs)
+        return pos if pos < len(self.input_ids) - 1 else None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode
-from airserve.srt.managers import isolation
+from airserve.srt.managers import isolation, logprob_rows
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from airserve.srt.mem_cache.kv_manager import KVManager
@@ -239,11 +239,13 @@ class Scheduler:
             prefix_lens.append(start)
             lens.append(n)
             last.append(len(ids) - 1)
+        rows, counts = logprob_rows.logit_rows(reqs, prefix_lens, lens) or (None, None)
         return self.runner.make_forward_batch(
             ForwardMode.EXTEND, input_ids=ids, positions=positions,
             req_pool_indices=[r.req_pool_idx for r in reqs],
             seq_lens=[p + n for p, n in zip(prefix_lens, lens)], out_cache_loc=torch.cat(locs),
             extend_seq_lens=lens, extend_prefix_lens=prefix_lens, last_token_indices=last,
+            logit_rows=rows, logit_counts=counts,
         )
 
     def _build_decode(self, reqs: list[Req]) -> ForwardBatch:
@@ -263,6 +265,12 @@ class Scheduler:
         requests that progressed."""
         rows = list(range(len(batch.reqs))) if rows is None else rows
         seq_lens = batch.fb.seq_lens_cpu
+        if batch.fb.logit_counts_cpu is not None:  # some rows brought prompt logits
+            fb = batch.fb
+            logits = logprob_rows.split_logits(
+                [batch.reqs[i] for i in rows], [fb.extend_prefix_lens_cpu[i] for i in rows],
+                [fb.extend_seq_lens_cpu[i] for i in rows],
+                [fb.logit_counts_cpu[i] for i in rows], logits)
         done, picked = [], []  # batch rows that produce a token; their rows in `logits`
         running = set(map(id, self.running))
         for k, i in enumerate(rows):
@@ -280,6 +288,7 @@ class Scheduler:
         if len(picked) < logits.shape[0]:
             logits = logits[picked]
         next_ids = isolation.sample_isolated(self, reqs, logits, [seq_lens[i] for i in done])
+        logprob_rows.record_output_logprobs(reqs, logits, next_ids)
         now = time.perf_counter()
         for i, req, token in zip(done, reqs, next_ids):
             if token is None:  # failed while sampling

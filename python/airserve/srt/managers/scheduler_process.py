@@ -19,7 +19,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from airserve.srt.managers import io_struct as io
-from airserve.srt.managers.validation import validate_request
+from airserve.srt.managers.validation import check_logprob, validate_request
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -149,8 +149,9 @@ class SchedulerLoop:
 
         try:
             params = validate_request(msg.input_ids, msg.sampling_params, self.limits)
+            check_logprob(msg.logprob, len(msg.input_ids), params.max_new_tokens)
             req = build_req(self.core.tokenizer, msg.input_ids, params, rid=msg.rid,
-                            stream=msg.stream)
+                            stream=msg.stream, logprob=msg.logprob)
             self.scheduler.add_request(req)
         except (ValueError, TypeError, OverflowError) as e:  # the request's fault
             self.send_conn.send(io.BatchOutput(errors=[io.ReqError(msg.rid, 400, str(e))]))
@@ -178,8 +179,11 @@ class SchedulerLoop:
             text = req.stream_text()
             offset = min(req.sent_text_len, len(text))
             req.sent_text_len = len(text)
-            deltas.append(io.ReqDelta(req.rid, new_ids, offset, text[offset:],
-                                      req.finished_reason, req.cached_tokens))
+            delta = io.ReqDelta(req.rid, new_ids, offset, text[offset:], req.finished_reason,
+                                req.cached_tokens)
+            if req.logprob is not None:
+                take_logprobs(req, delta)
+            deltas.append(delta)
         if time.monotonic() - self._last_stats >= STATS_INTERVAL_S:
             self._send_stats(deltas, errors)
         else:
@@ -220,6 +224,15 @@ class SchedulerLoop:
     def call_flush_cache(self) -> str:
         self.scheduler.flush_cache()
         return "Cache flushed: the prefix cache is empty and every KV page is free."
+
+
+def take_logprobs(req, delta: io.ReqDelta) -> None:
+    """Move the logprobs `req` gained since its last delta into `delta`."""
+    if not req.sent_input_logprobs and req.output_ids:  # the prompt's are complete
+        delta.input_logprobs = list(req.input_logprobs)
+        req.sent_input_logprobs = True
+    delta.output_logprobs = req.output_logprobs[req.sent_output_logprobs:]
+    req.sent_output_logprobs = len(req.output_logprobs)
 
 
 def configure_logging(level: str, who: str) -> None:

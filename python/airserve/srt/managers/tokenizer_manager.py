@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.scheduler_process import run_scheduler_process
+from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
 from airserve.srt.server_args import ServerArgs
 from airserve.srt.tokenizer import Tokenizer, get_tokenizer
 
@@ -57,6 +58,14 @@ class ReqOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     # Shared with the request state, which only appends to it: slice it, never mutate it.
     all_ids: list[int] = field(repr=False)
+    # Logprob requests only (shared the same way; `output_logprobs` may run ahead of
+    # `completion_tokens`): None until the prompt's logprobs arrived with the first token.
+    input_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+    all_output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+
+    @property
+    def output_logprobs(self) -> list[TokenLogprob]:
+        return self.all_output_logprobs[:self.completion_tokens]
 
     @property
     def output_ids(self) -> list[int]:
@@ -82,11 +91,14 @@ class _ReqState:
     # One snapshot per scheduler message not yet yielded: a stream sends every step, even when
     # several arrive before the client's coroutine runs again.
     pending: list[ReqOutput] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def snapshot(self) -> ReqOutput:
         return ReqOutput(self.rid, self.text, len(self.output_ids), self.prompt_tokens,
                          self.finished_reason, time.perf_counter() - self.created,
-                         self.cached_tokens, self.output_ids)
+                         self.cached_tokens, self.output_ids, self.input_logprobs,
+                         self.output_logprobs)
 
 
 class TokenizerManager:
@@ -187,7 +199,8 @@ class TokenizerManager:
 
     # Requests.
     async def generate(self, input_ids: list[int], sampling_params: dict, stream: bool = False,
-                       rid: str | None = None) -> AsyncIterator[ReqOutput]:
+                       rid: str | None = None,
+                       logprob: LogprobParams | None = None) -> AsyncIterator[ReqOutput]:
         """Yields the request's cumulative output after each step that changed it; the last one
         is finished. Raises RequestError when the scheduler rejects or loses it. Closing the
         iterator early aborts the request (its KV pages are freed)."""
@@ -197,7 +210,8 @@ class TokenizerManager:
             raise RequestError(400, f"rid {rid!r} is already in use")
         state = _ReqState(rid, len(input_ids))
         self._states[rid] = state
-        self._outbox.put(io.GenerateReqInput(rid, list(input_ids), sampling_params, stream))
+        self._outbox.put(io.GenerateReqInput(rid, list(input_ids), sampling_params, stream,
+                                             logprob))
         try:
             while True:
                 await state.event.wait()
@@ -271,6 +285,9 @@ class TokenizerManager:
             if new_ids:
                 state.last_token_time = now
             state.output_ids.extend(new_ids)
+            if delta.input_logprobs is not None:
+                state.input_logprobs = delta.input_logprobs
+            state.output_logprobs.extend(delta.output_logprobs)
             state.cached_tokens = delta.cached_tokens
             state.text = state.text[:delta.text_offset] + delta.text
             if finished_reason is not None:

@@ -15,9 +15,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
     FieldError,
     SamplingParams,
+    expect_bool,
+    expect_int,
     refuse_not_implemented,
     show,
 )
@@ -27,21 +31,27 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # /generate's top-level SGLang fields that airserve does not implement -> no-op values.
 NATIVE_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "return_logprob": (False,), "return_hidden_states": (False,), "return_entropy": (False,),
+    "return_hidden_states": (False,), "return_entropy": (False,),
     "input_embeds": ([],), "image_data": ([], ""), "video_data": ([], ""),
     "audio_data": ([], ""), "lora_path": ([], ""), "session_params": ({},),
     "custom_logit_processor": ("",),
+    # Output-changing SGLang fields beyond the above (logprobs of chosen ids, bytes, LoRA by
+    # id, MoE routing, forced reasoning).
+    "token_ids_logprob": ([],), "return_bytes": (False,), "lora_id": ("",),
+    "return_routed_experts": (False,), "require_reasoning": (False,),
 }
 # OpenAI (and SGLang's OpenAI extensions) fields that airserve does not implement.
 OPENAI_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
-    "best_of": (1,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "regex": (), "json_schema": (),
     "ebnf": (), "structural_tag": (), "stop_regex": (), "no_stop_trim": (False,),
     "spaces_between_special_tokens": (True,), "continue_final_message": (False,),
     "chat_template_kwargs": ({},), "lora_path": ("",), "session_params": ({},),
     "return_hidden_states": (False,), "audio": (), "modalities": (["text"],),
     "response_format": ({"type": "text"},),
+    # Output-changing fields of OpenAI's and vLLM's newer protocols, accepted by SGLang.
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "prompt_logprobs": (),
+    "sampling_seed": (), "token_ids_logprob": ([],),
 }
 
 
@@ -149,8 +159,45 @@ def validate_request(input_ids: object, sampling_params: Mapping | SamplingParam
     params = sampling_params if isinstance(sampling_params, SamplingParams) else \
         SamplingParams.from_dict(sampling_params)
     check_input_ids(params.stop_token_ids, limits, "stop_token_ids")
+    outside = [t for t in params.logit_bias if t >= limits.vocab_size]
+    if outside:
+        raise FieldError("logit_bias", f"token id {outside[0]} is not in the vocabulary "
+                                       f"[0, {limits.vocab_size})")
     check_fits(len(ids), params.max_new_tokens, limits)
     return params
+
+
+MAX_TOP_LOGPROBS = 100  # top logprobs per position; more would only bloat the answer
+
+
+def parse_logprob(body: Mapping, prompt_len: int, max_new_tokens: int) -> LogprobParams | None:
+    """/generate's logprob fields (SGLang's names), checked; None when none is asked."""
+    want = body.get("return_logprob")
+    if want is None or want is False:
+        return None
+    expect_bool("return_logprob", want)
+    top = body.get("top_logprobs_num")
+    start = body.get("logprob_start_len")
+    params = LogprobParams(
+        True, 0 if top is None else expect_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS),
+        -1 if start is None else expect_int("logprob_start_len", start, -1, INT32_MAX))
+    check_logprob(params, prompt_len, max_new_tokens)
+    return params
+
+
+def check_logprob(params: LogprobParams | None, prompt_len: int, max_new_tokens: int,
+                  tokens_field: str = "max_new_tokens") -> None:
+    """The first listed prompt position must be inside the prompt; prompt logprobs need a
+    forward pass, which a request for no new token does not run (`tokens_field` names the
+    request's field for max_new_tokens)."""
+    if params is None:
+        return
+    if params.logprob_start_len >= prompt_len:
+        raise FieldError("logprob_start_len", f"must be < the prompt length ({prompt_len} "
+                                              f"tokens), got {params.logprob_start_len}")
+    if max_new_tokens == 0 and params.start(prompt_len) < prompt_len - 1:
+        raise FieldError(tokens_field, "must be >= 1 for prompt logprobs (they come from the "
+                                       "forward pass that produces the first token)")
 
 
 def check_json_value(value: object, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -185,4 +232,5 @@ def _path(path: tuple) -> str:
 # The front doors import the sampling-field pieces from here too: one place to look.
 __all__ = ["FieldError", "MAX_JSON_DEPTH", "NATIVE_NOT_IMPLEMENTED", "OPENAI_NOT_IMPLEMENTED",
            "RequestLimits", "SamplingParams", "check_fits", "check_input_ids", "check_json_value",
-           "check_text", "max_chars_per_token", "refuse_not_implemented", "validate_request"]
+           "check_logprob", "check_text", "max_chars_per_token", "parse_logprob",
+           "refuse_not_implemented", "validate_request"]

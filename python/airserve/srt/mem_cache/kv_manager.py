@@ -42,8 +42,12 @@ class KVManager:
     # A request's life.
     def match(self, req: Req, count: bool = True) -> PrefixMatch:
         """The cached prefix a (re-)prefill of `req` can reuse; at least its last token is left
-        to compute, since its logits give the next token."""
-        return self.cache.match_prefix(req.fill_ids[:-1], count=count)
+        to compute, since its logits give the next token; and none of the prompt positions
+        whose logits the request still needs for prompt logprobs."""
+        end = len(req.fill_ids) - 1
+        need = req.prompt_logits_from
+        return self.cache.match_prefix(req.fill_ids[:end if need is None else min(end, need)],
+                                       count=count)
 
     def start(self, req: Req, match: PrefixMatch) -> None:
         """Give `req` a request slot whose first positions are the matched cached pages."""

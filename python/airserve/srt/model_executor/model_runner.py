@@ -124,7 +124,9 @@ class ModelRunner:
                            extend_seq_lens: Sequence[int] | None = None,
                            extend_prefix_lens: Sequence[int] | None = None,
                            last_token_indices: Sequence[int] | None = None,
-                           return_all_logits: bool = False) -> ForwardBatch:
+                           return_all_logits: bool = False,
+                           logit_rows: Sequence[int] | None = None,
+                           logit_counts: Sequence[int] | None = None) -> ForwardBatch:
         dev = self.device
 
         def t(values, dtype):
@@ -146,6 +148,8 @@ class ModelRunner:
             last_token_indices=(t(last_token_indices, torch.int64)
                                 if last_token_indices is not None else None),
             return_all_logits=return_all_logits,
+            logit_rows=t(logit_rows, torch.int64) if logit_rows is not None else None,
+            logit_counts_cpu=list(logit_counts) if logit_counts is not None else None,
         )
 
     # Forward.

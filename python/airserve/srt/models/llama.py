@@ -173,9 +173,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns float32 logits [rows, vocab], one row per
-        sequence (its last token) unless `fb.return_all_logits`, then one row per token."""
+        sequence (its last token) unless `fb.return_all_logits`, then one row per token, or
+        `fb.logit_rows` when set (the rows prompt logprobs need)."""
         hidden = self.model(input_ids, positions, fb)
-        if fb.last_token_indices is not None and not fb.return_all_logits:
+        if fb.logit_rows is not None:
+            hidden = hidden[fb.logit_rows]
+        elif fb.last_token_indices is not None and not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices]
         return self.lm_head(hidden).float()
 

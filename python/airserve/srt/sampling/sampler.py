@@ -46,6 +46,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's logit_bias on one row [vocab], in place: `bias[id]` is added to that token's
+    logit (ids were checked against the vocabulary when the request arrived)."""
+    ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+    logits[ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def _finite_row(logits: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf (never chosen), +inf -> the largest float (ties with other +inf); raises
     when nothing is left to choose."""
@@ -95,7 +103,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     `banned[i]` lists ids row i may not produce this step (EOS before min_new_tokens).
     """
-    simple = all(p.is_greedy and not p.has_penalties for p in params) and not any(banned or ())
+    simple = all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params) \
+        and not any(banned or ())
     if simple:
         return torch.argmax(logits, dim=-1).tolist()
     return [sample_one(logits[i], p, prompt_ids[i], output_ids[i], generators[i],
@@ -110,6 +119,8 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequenc
     row = logits.to(torch.float64, copy=True)  # penalties work in place
     if params.has_penalties:
         row = apply_penalties(row, params, prompt_ids, output_ids)
+    if params.logit_bias:
+        row = apply_logit_bias(row, params.logit_bias)
     if banned:
         row[list(banned)] = float("-inf")
     return sample_row(row, params, generator)

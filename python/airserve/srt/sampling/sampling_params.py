@@ -20,7 +20,7 @@ MAX_STOP_STRINGS = 64  # every stop string is matched after every step
 # is always fine). Any other value would change the output, so the request is refused.
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
-    "logit_bias": ({},), "custom_params": ({},), "n": (1,), "no_stop_trim": (False,),
+    "custom_params": ({},), "n": (1,), "no_stop_trim": (False,),
     "spaces_between_special_tokens": (True,), "sampling_seed_offset": (0,),
 }
 # Accepted and checked, with no effect on the output: every step is streamed anyway.
@@ -108,6 +108,25 @@ def _num(x: float) -> str:
     return str(int(x)) if math.isfinite(x) and x == int(x) else str(x)
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token
+
+
+def expect_logit_bias(name: str, value: object) -> dict[int, float]:
+    """{token id: bias}; the id as an integer or its decimal string (JSON keys are strings),
+    the bias in [-100, 100]. The ids are checked against the vocabulary with the request."""
+    if not isinstance(value, Mapping):
+        raise FieldError(name, f"must be an object mapping token ids to biases, got "
+                               f"{show(value)}")
+    bias: dict[int, float] = {}
+    for key, b in value.items():
+        token = key if type(key) is int else int(key) if isinstance(key, str) and \
+            key.isascii() and key.isdigit() and len(key) <= 10 else None
+        if token is None or not 0 <= token <= INT32_MAX:
+            raise FieldError(name, f"keys must be token ids (integers >= 0), got {show(key)}")
+        bias[token] = expect_float(f"{name}.{key}", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return bias
+
+
 _Check = Callable[[str, object], object]
 # Field -> check: returns the value to store, or raises FieldError naming the field.
 RULES: dict[str, _Check] = {
@@ -126,6 +145,7 @@ RULES: dict[str, _Check] = {
     "skip_special_tokens": expect_bool,
     "seed": lambda n, v: expect_int(n, v, 0, INT64_MAX),
     "stream_interval": lambda n, v: expect_int(n, v, 1, INT32_MAX),
+    "logit_bias": expect_logit_bias,
 }
 
 
@@ -145,6 +165,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # Added to the logits before sampling (after penalties); logprobs do not see it.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping | None, prefix: str = "") -> SamplingParams:
