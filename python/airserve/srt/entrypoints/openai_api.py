@@ -12,16 +12,18 @@ OpenAI's responses or SSE chunks. Every streamed chunk carries a non-empty `choi
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from airserve.srt.constrained.spec import GrammarSpec, check_grammar
 from airserve.srt.entrypoints.http_utils import (
     final_outputs,
     off_loop,
@@ -29,6 +31,9 @@ from airserve.srt.entrypoints.http_utils import (
     sse,
     stream_response,
 )
+from airserve.srt.entrypoints.tool_calls import Tool, ToolChoice, ToolPlan, plan_tools
+from airserve.srt.entrypoints.tool_calls import template_message as tool_template_message
+from airserve.srt.entrypoints.tool_parser import ToolStreamParser, template_format
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.managers.validation import (
     OPENAI_NOT_IMPLEMENTED,
@@ -66,6 +71,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     model: str | None = None
     temperature: float | None = None
@@ -84,6 +101,10 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
+    # Structured output: at most one of these (SGLang's regex / ebnf extensions included).
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -100,12 +121,18 @@ class ContentPart(BaseModel):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse_request(model: type[_Strict], body: dict) -> _Strict:
@@ -144,6 +171,8 @@ class Prepared:
     req: _SamplingFields
     prompts: list[list[int]]
     params: list[list[dict]]  # [prompt][choice], SamplingParams as dicts
+    tools: ToolPlan | None = None  # chat with tools in play
+    tool_format: str = "json"  # how the template writes calls (tool_parser.template_format)
 
 
 def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
@@ -155,27 +184,59 @@ def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) 
 
 def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
     req = parse_request(ChatCompletionRequest, parse_json_object(raw))
-    prompt = chat_prompt(req, tokenizer, limits)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer)
+    prompt = chat_prompt(req, tokenizer, limits, plan.tools if plan else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: up to the context length
         max_tokens = max(limits.context_length - len(prompt), 0)
-    return _prepared(req, [prompt], max_tokens, limits)
+    prepared = _prepared(req, [prompt], max_tokens, limits, plan)
+    prepared.tools, prepared.tool_format = plan, template_format(tokenizer.chat_template)
+    return prepared
 
 
 def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
-              limits: RequestLimits) -> Prepared:
+              limits: RequestLimits, plan: ToolPlan | None = None) -> Prepared:
+    grammar = grammar_fields(req, plan)
     params = []
     for ids in prompts:
         check_fits(len(ids), max_tokens, limits)
-        choices = [validate_request(ids, sampling_params(req, max_tokens, c), limits)
+        choices = [validate_request(ids, sampling_params(req, max_tokens, c, grammar), limits)
                    for c in range(req.n)]
         params.append([dataclasses.asdict(p) for p in choices])
     return Prepared(req, prompts, params)
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> SamplingParams:
-    """SGLang-named sampling parameters, validated (FieldError names the field)."""
+def grammar_fields(req: _SamplingFields, plan: ToolPlan | None) -> dict:
+    """The request's one grammar as sampling fields, checked (a 400 names the field)."""
+    given: dict[str, tuple[str, str]] = {}  # request field -> (sampling field, source)
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if fmt.type == "json_schema" and schema is None:
+            raise FieldError("response_format.json_schema.schema",
+                             "is required when response_format.type is json_schema")
+        field = "response_format.json_schema.schema" if schema is not None \
+            else "response_format"
+        given[field] = ("json_schema", json.dumps(schema if schema is not None
+                                                  else {"type": "object"}))
+    if plan is not None and plan.json_schema is not None:
+        given["tool_choice"] = ("json_schema", plan.json_schema)
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            given[name] = (name, getattr(req, name))
+    if len(given) > 1:
+        raise FieldError(list(given)[1], "only one constraint per request: "
+                         + " and ".join(given) + " are all set")
+    for field, (kind, text) in given.items():
+        check_grammar(GrammarSpec(kind, text), field)
+    return {kind: text for kind, text in given.values()}
+
+
+def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int,
+                    grammar: dict | None = None) -> SamplingParams:
+    """SGLang-named sampling parameters, validated (FieldError names the field); `grammar`:
+    the request's json_schema / regex / ebnf field (grammar_fields)."""
     if req.seed is not None:
         expect_int("seed", req.seed, 0, INT64_MAX)
     params = {
@@ -187,6 +248,7 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> S
         "skip_special_tokens": req.skip_special_tokens,
         # n choices with one seed would all be equal; offset it per choice.
         "seed": None if req.seed is None else (req.seed + choice) % (INT64_MAX + 1),
+        **(grammar or {}),
     }
     return SamplingParams.from_dict(params)
 
@@ -206,8 +268,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
     return [check_input_ids(p, limits, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
-                limits: RequestLimits) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: RequestLimits,
+                tools: list[dict] | None = None) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -217,11 +279,14 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
                 raise FieldError(f"messages.{i}.content", f"only text parts are supported, "
                                                           f"got {', '.join(bad)}")
             content = "".join(p.text or "" for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        message.update(m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                    exclude_none=True))
+        messages.append(tool_template_message(message))
     # The template only adds text: contents that cannot fit are refused before rendering.
     check_text("".join(m["content"] for m in messages), "messages", limits)
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, tools=tools)
     except ValueError as e:
         raise RequestError(400, str(e)) from None
     return tokenizer.encode(check_text(text, "messages", limits))
@@ -277,34 +342,66 @@ class OpenAIServing:
         created = int(time.time())
         if not req.stream:
             outputs = await final_outputs(request, streams)
-            return JSONResponse(_response(rid, created, model, outputs, req.n, chat))
+            return JSONResponse(_response(rid, created, model, outputs, prepared, chat))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(request, streams, lambda outputs: _stream_chunks(
-            rid, created, model, outputs, len(streams), req.n, chat, include_usage))
+            rid, created, model, outputs, len(streams), prepared, chat, include_usage))
 
 
-def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,
-              chat: bool) -> dict:
+class _TextReader:
+    """The plain answer's reader: all text is content (same interface as ToolStreamParser)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.calls: list = []
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list]:
+        piece, self.sent = text[self.sent:], len(text)
+        return piece, []
+
+
+def _reader(prepared: Prepared) -> _TextReader | ToolStreamParser:
+    plan = prepared.tools
+    if plan is None:
+        return _TextReader()
+    return ToolStreamParser(plan.mode, prepared.tool_format, plan.names, plan.name)
+
+
+def _finish_reason(out: ReqOutput, reader: _TextReader | ToolStreamParser) -> str | None:
+    reason = finish_reason(out)
+    return "tool_calls" if reason == "stop" and reader.calls else reason
+
+
+def _response(rid: str, created: int, model: str, outputs: list[ReqOutput],
+              prepared: Prepared, chat: bool) -> dict:
     choices = []
     for i, out in enumerate(outputs):
-        choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(out)}
+        reader = _reader(prepared)
+        content, calls = reader.feed(out.text, True)
+        choice = {"index": i, "logprobs": None, "finish_reason": _finish_reason(out, reader)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"] = {"role": "assistant", "content": content or None if calls
+                                 else content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.to_dict() for c in calls]
         else:
-            choice["text"] = out.text
+            choice["text"] = content
         choices.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": choices, "usage": usage(outputs, n)}
+            "created": created, "model": model, "choices": choices,
+            "usage": usage(outputs, prepared.req.n)}
 
 
 def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
            reason: str | None, chat: bool, usage_: dict | None = None,
-           role: bool = False) -> bytes:
+           role: bool = False, tool_calls: list[dict] | None = None) -> bytes:
     choice: dict = {"index": index, "logprobs": None, "finish_reason": reason}
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -313,19 +410,26 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
 
 
 async def _stream_chunks(rid: str, created: int, model: str,
-                         outputs: AsyncIterator[tuple[int, ReqOutput]], num: int, n: int,
-                         chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    sent = [0] * num  # characters of each choice's text already streamed
+                         outputs: AsyncIterator[tuple[int, ReqOutput]], num: int,
+                         prepared: Prepared, chat: bool,
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    readers = [_reader(prepared) for _ in range(num)]  # what of each choice is streamed
     last: list[ReqOutput | None] = [None] * num
     if chat:
         for i in range(num):
             yield _chunk(rid, created, model, i, "", None, chat, role=True)
     async for i, out in outputs:
         last[i] = out
-        piece = out.text[sent[i]:]
-        sent[i] = len(out.text)
-        if piece or out.finished:
-            yield _chunk(rid, created, model, i, piece, finish_reason(out), chat)
+        piece, calls = readers[i].feed(out.text, out.finished)
+        reason = _finish_reason(out, readers[i])
+        if calls:  # each call whole, numbered across the choice's calls
+            if piece:
+                yield _chunk(rid, created, model, i, piece, None, chat)
+            first = len(readers[i].calls) - len(calls)
+            yield _chunk(rid, created, model, i, None, reason, chat, tool_calls=[
+                c.to_dict(first + k) for k, c in enumerate(calls)])
+        elif piece or out.finished:
+            yield _chunk(rid, created, model, i, piece, reason, chat)
     if include_usage:
         yield _chunk(rid, created, model, 0, "" if chat else None, None, chat,
-                     usage_=usage(last, n))
+                     usage_=usage(last, prepared.req.n))
