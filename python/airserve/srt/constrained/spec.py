@@ -15,7 +15,7 @@ from airserve.srt.sampling.sampling_params import GRAMMAR_FIELDS, FieldError, Sa
 
 # JSON whitespace between tokens is free (`any_whitespace`) but at most this many characters
 # in a row: a model that prefers spaces or newlines must still reach the end of the object.
-MAX_JSON_WHITESPACE = 16
+MAX_JSON_WHITESPACE = 12
 _CACHE_SIZE = 256
 # xgrammar's C++ errors start with "[time] file.cc:line: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")

@@ -132,8 +132,10 @@ class ToolStreamParser:
             start = text.find(HERMES_OPEN)
             if start >= 0:
                 self.in_calls = True
-                return len(text[:start].rstrip())
-            return len(text) - _partial_suffix(text, HERMES_OPEN)
+                return max(self.sent, len(text[:start].rstrip()))
+            # Whitespace before a call is not content either: hold it until text follows.
+            return max(self.sent, len(text[:len(text) - _partial_suffix(text, HERMES_OPEN)]
+                                      .rstrip()))
         stripped = text.lstrip()
         if not stripped:
             return self.sent  # only whitespace so far: a call may still come
