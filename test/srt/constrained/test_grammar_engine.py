@@ -122,3 +122,16 @@ def test_grammar_cache_hits(engine):
     after = engine.core.grammar_backend.stats
     assert after["compiled"] - before["compiled"] <= 1
     assert after["cache_hits"] - before["cache_hits"] >= 2
+
+
+def test_length_bounded_strings_are_valid_json(engine):
+    """xgrammar writes such strings without excluding control characters; airserve adds a
+    pattern that does (constrained.spec.json_schema_source)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 8}},
+        "required": ["name"], "additionalProperties": False}
+    for temperature in (0, 1.0):
+        outs = engine.generate(PROMPTS, {"temperature": temperature, "seed": 3,
+                                         "max_new_tokens": 200, "json_schema": json.dumps(schema)})
+        for out in outs:
+            jsonschema.validate(json.loads(out["text"]), schema)  # strict: no raw controls

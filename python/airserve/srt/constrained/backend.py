@@ -21,6 +21,7 @@ from airserve.srt.constrained.spec import (
     GrammarSpec,
     clean_error,
     import_xgrammar,
+    json_schema_source,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class GrammarBackend:
         try:
             if spec.kind == "json_schema":
                 compiled = compiler.compile_json_schema(
-                    spec.text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                    json_schema_source(spec.text), max_whitespace_cnt=MAX_JSON_WHITESPACE)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.text)
             else:

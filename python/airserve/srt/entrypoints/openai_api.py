@@ -12,7 +12,6 @@ OpenAI's responses or SSE chunks. Every streamed chunk carries a non-empty `choi
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +22,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from airserve.srt.constrained.spec import GrammarSpec, check_grammar
 from airserve.srt.entrypoints.http_utils import (
     final_outputs,
     off_loop,
@@ -31,6 +29,7 @@ from airserve.srt.entrypoints.http_utils import (
     sse,
     stream_response,
 )
+from airserve.srt.entrypoints.structured_output import ResponseFormat, grammar_fields
 from airserve.srt.entrypoints.tool_calls import Tool, ToolChoice, ToolPlan, plan_tools
 from airserve.srt.entrypoints.tool_calls import template_message as tool_template_message
 from airserve.srt.entrypoints.tool_parser import ToolStreamParser, template_format
@@ -69,18 +68,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-class JsonSchemaFormat(_Strict):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -205,32 +192,6 @@ def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
                    for c in range(req.n)]
         params.append([dataclasses.asdict(p) for p in choices])
     return Prepared(req, prompts, params)
-
-
-def grammar_fields(req: _SamplingFields, plan: ToolPlan | None) -> dict:
-    """The request's one grammar as sampling fields, checked (a 400 names the field)."""
-    given: dict[str, tuple[str, str]] = {}  # request field -> (sampling field, source)
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-        if fmt.type == "json_schema" and schema is None:
-            raise FieldError("response_format.json_schema.schema",
-                             "is required when response_format.type is json_schema")
-        field = "response_format.json_schema.schema" if schema is not None \
-            else "response_format"
-        given[field] = ("json_schema", json.dumps(schema if schema is not None
-                                                  else {"type": "object"}))
-    if plan is not None and plan.json_schema is not None:
-        given["tool_choice"] = ("json_schema", plan.json_schema)
-    for name in ("regex", "ebnf"):
-        if getattr(req, name) is not None:
-            given[name] = (name, getattr(req, name))
-    if len(given) > 1:
-        raise FieldError(list(given)[1], "only one constraint per request: "
-                         + " and ".join(given) + " are all set")
-    for field, (kind, text) in given.items():
-        check_grammar(GrammarSpec(kind, text), field)
-    return {kind: text for kind, text in given.values()}
 
 
 def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int,

@@ -74,8 +74,8 @@ class ToolPlan:
 def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None,
                parallel: bool | None, tokenizer: Tokenizer) -> ToolPlan | None:
     """Validate the request's tools against `choice`; None when no tool is in play."""
-    if not tools:
-        if choice is not None and choice != "none":
+    if not tools:  # "none" and "auto" ask for nothing then (clients send them by default)
+        if choice is not None and choice not in ("none", "auto"):
             raise FieldError("tool_choice", "needs `tools`: no tool was given")
         return None
     check_tools(tools)
