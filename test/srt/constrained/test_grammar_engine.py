@@ -103,6 +103,9 @@ def test_compile_failure_and_abort_in_the_grammar_queue(engine):
     slow = build_req(engine.tokenizer, [5, 6, 7],
                      SamplingParams(max_new_tokens=4, regex="[0-9]{2,9}x"))
     sched.add_request(slow)
+    # A failed step fails what runs, not what waits for its grammar.
+    sched.fail_unattributed("a step failed", [slow])
+    assert not slow.finished and sched.grammar_queue.pending == [slow]
     assert sched.abort(slow.rid) and slow.finished_reason["type"] == "abort"
     assert not sched.has_work() or sched.step() is not None
     assert not sched.grammar_queue and not sched.running

@@ -356,9 +356,10 @@ class Scheduler:
     def fail_unattributed(self, message: str, tracked: list[Req] = ()) -> list[Req]:
         """A step raised where no request could be blamed: fail every running request (the
         step may have left them half-updated) and every `tracked` request that is neither
-        waiting nor finished (caught between queues); the waiting ones stay queued. Their KV
-        pages, those a half-built batch allocated included, are freed."""
-        queued = set(map(id, self.waiting))
+        waiting nor finished (caught between queues); the waiting ones (and those whose
+        grammar compiles) stay queued. Their KV pages, those a half-built batch allocated
+        included, are freed."""
+        queued = set(map(id, [*self.waiting, *self.grammar_queue.pending]))
         limbo = [r for r in tracked if id(r) not in queued and not r.finished
                  and r not in self.holders()]
         for req in self.holders() + limbo:
