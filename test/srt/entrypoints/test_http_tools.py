@@ -1,5 +1,6 @@
 """OpenAI tools through the official client, against a real server on a tiny Qwen2 model whose
-chat template (written for the tests, Hermes/Qwen2.5 layout) renders tools.
+chat template (written for the tests, Hermes/Qwen2.5 layout) renders tools; a few on a tiny
+Llama whose template writes calls as Llama 3 JSON.
 
 A random-weight model never calls a tool by itself, so `auto` is exercised with an SGLang
 `regex` that makes it write a Hermes call: the parsing is what is tested. `required` and named
@@ -15,7 +16,11 @@ import openai
 import pytest
 
 from airserve_testing.server_utils import ServerProcess
-from airserve_testing.tool_templates import HERMES_TEMPLATE, with_chat_template
+from airserve_testing.tool_templates import (
+    HERMES_TEMPLATE,
+    LLAMA3_JSON_TEMPLATE,
+    with_chat_template,
+)
 
 WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -177,3 +182,35 @@ def test_template_without_tool_support_is_a_400(server):
         r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
     assert r.status_code == 400, r.text
     assert "does not support tools" in r.json()["error"]["message"]
+
+
+# Llama 3 JSON calls: the whole answer is {"name": ..., "parameters": {...}}.
+LLAMA_CALL = (r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)", '
+              r'"days": [1-7]\}\}')
+
+
+@pytest.fixture(scope="module")
+def llama_client(tiny_llama_dir, tmp_path_factory):
+    path = with_chat_template(tiny_llama_dir, str(tmp_path_factory.mktemp("llama3") / "m"),
+                              LLAMA3_JSON_TEMPLATE)
+    srv = ServerProcess(path, "--max-total-tokens", "8192").wait_ready()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.api_key, max_retries=0)
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_call_is_parsed(llama_client, stream):
+    choice = chat(llama_client, stream, extra_body={"regex": LLAMA_CALL})
+    content, calls, reason = calls_of(choice)
+    assert content is None and reason == "tool_calls"
+    assert [name for name, _ in calls] == ["get_weather"]
+    jsonschema.validate(calls[0][1], WEATHER)
+
+
+def test_llama3_required_and_plain_answers(llama_client):
+    content, calls, reason = calls_of(chat(llama_client, tool_choice="required",
+                                           parallel_tool_calls=False))
+    assert reason == "tool_calls" and len(calls) == 1
+    jsonschema.validate(calls[0][1], SCHEMAS[calls[0][0]])
+    plain = chat(llama_client, True, extra_body={"regex": "Sunny, [1-9] days."})
+    assert calls_of(plain)[:2] == (plain["content"], []) and plain["content"].startswith("Sunny")
