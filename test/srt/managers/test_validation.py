@@ -37,8 +37,24 @@ def field_error(params: dict, field: str) -> str:
     return str(e.value)
 
 
+GRAMMARS = ("json_schema", "regex", "ebnf")
+
+
 def test_every_rule_is_exercised_here():
-    assert set(RULES) == set(INTS + FLOATS + BOOLS + ("stop", "stop_token_ids"))
+    assert set(RULES) == set(INTS + FLOATS + BOOLS + GRAMMARS + ("stop", "stop_token_ids"))
+
+
+@pytest.mark.parametrize("name", GRAMMARS)
+@pytest.mark.parametrize("value", ["", 1, True, {"type": "object"}, ["a"]])
+def test_grammar_fields_must_be_non_empty_strings(name, value):
+    assert "must be a non-empty string" in field_error({name: value}, name)
+
+
+def test_one_grammar_per_request():
+    assert "only one constraint" in field_error({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf")
+    assert SamplingParams.from_dict({"regex": "a+", "json_schema": None}).regex == "a+"
+    with pytest.raises(FieldError, match="sampling_params.regex: cannot be compiled"):
+        validate_request([1, 2], {"regex": "(a"}, LIMITS)
 
 
 @pytest.mark.parametrize("name", INTS)
