@@ -41,7 +41,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools` (OpenAI function definitions) go to the template as
+        transformers passes them: templates without tool support ignore them."""
         if not self.chat_template:
             raise ValueError(
                 f"the tokenizer at {self.path} has no chat template; use /v1/completions or "
@@ -52,13 +55,23 @@ class Tokenizer:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
+            # As transformers renders templates: plain JSON (jinja's own escapes <, > and &).
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         special = {}
         for name in ("bos_token", "eos_token"):
             tid = self.bos_token_id if name == "bos_token" else (self.eos_token_ids or (None,))[0]
             special[name] = self.tokenizer.id_to_token(tid) if tid is not None else ""
+        extra = {"tools": tools} if tools else {}
         return self._template.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt, **special)
+                                     add_generation_prompt=add_generation_prompt, **special,
+                                     **extra)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
+            separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str):

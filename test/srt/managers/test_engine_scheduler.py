@@ -138,7 +138,11 @@ def test_streaming_yields_cumulative_text_ending_in_the_full_output(engine):
     # The same rules as the HTTP front doors (managers/validation.py).
     ({"prompt": "a", "sampling_params": {"seed": 2**64}}, r"seed: .*9223372036854775807\]"),
     ({"prompt": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
-    ({"prompt": "a", "sampling_params": {"json_schema": "{}"}}, "json_schema: not supported"),
+    ({"prompt": "a", "sampling_params": {"structural_tag": "{}"}},
+     "structural_tag: not supported"),
+    ({"prompt": "a", "sampling_params": {"json_schema": "{"}}, "json_schema: cannot be compiled"),
+    ({"prompt": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}},
+     "ebnf: only one constraint"),
     ({"prompt": "a\ud800"}, "prompt: holds a lone UTF-16 surrogate"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_field(engine, kwargs, message):

@@ -38,8 +38,12 @@ def field_error(params: dict, field: str) -> str:
     return str(e.value)
 
 
+GRAMMARS = ("json_schema", "regex", "ebnf")
+
+
 def test_every_rule_is_exercised_here():
-    assert set(RULES) == set(INTS + FLOATS + BOOLS + ("stop", "stop_token_ids", "logit_bias"))
+    assert set(RULES) == set(INTS + FLOATS + BOOLS + GRAMMARS
+                             + ("stop", "stop_token_ids", "logit_bias"))
 
 
 def test_logit_bias_keys_values_and_vocabulary():
@@ -70,6 +74,19 @@ def test_logprob_fields():
     with pytest.raises(FieldError, match="max_new_tokens"):
         parse_logprob({"return_logprob": True, "logprob_start_len": 0}, 5, 0)
     assert parse_logprob({"return_logprob": True}, 5, 0).start(5) == 4  # nothing to compute
+
+
+@pytest.mark.parametrize("name", GRAMMARS)
+@pytest.mark.parametrize("value", ["", 1, True, {"type": "object"}, ["a"]])
+def test_grammar_fields_must_be_non_empty_strings(name, value):
+    assert "must be a non-empty string" in field_error({name: value}, name)
+
+
+def test_one_grammar_per_request():
+    assert "only one constraint" in field_error({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf")
+    assert SamplingParams.from_dict({"regex": "a+", "json_schema": None}).regex == "a+"
+    with pytest.raises(FieldError, match="sampling_params.regex: cannot be compiled"):
+        validate_request([1, 2], {"regex": "(a"}, LIMITS)
 
 
 @pytest.mark.parametrize("name", INTS)

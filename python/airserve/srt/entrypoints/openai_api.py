@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -34,6 +34,10 @@ from airserve.srt.entrypoints.http_utils import (
     stream_response,
 )
 from airserve.srt.entrypoints.logprob_format import ChoiceShape, TokenText
+from airserve.srt.entrypoints.structured_output import ResponseFormat, grammar_fields
+from airserve.srt.entrypoints.tool_calls import Tool, ToolChoice, ToolPlan, plan_tools
+from airserve.srt.entrypoints.tool_calls import template_message as tool_template_message
+from airserve.srt.entrypoints.tool_parser import ToolStreamParser, template_format
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.managers.validation import (
     MAX_TOP_LOGPROBS,
@@ -93,6 +97,10 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     logit_bias: dict[str, int | float] | None = None
+    # Structured output: at most one of these (SGLang's regex / ebnf extensions included).
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -111,6 +119,9 @@ class ContentPart(BaseModel):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -119,6 +130,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse_request(model: type[_Strict], body: dict) -> _Strict:
@@ -159,6 +173,8 @@ class Prepared:
     params: list[list[dict]]  # [prompt][choice], SamplingParams as dicts
     logprob: LogprobParams | None = None  # the same for every prompt
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    tools: ToolPlan | None = None  # chat with tools in play
+    tool_format: str = "json"  # how the template writes calls (tool_parser.template_format)
 
 
 def prepare_completion(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
@@ -190,32 +206,37 @@ def echo_texts(req: CompletionRequest, prompts: list[list[int]],
 
 def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Prepared:
     req = parse_request(ChatCompletionRequest, parse_json_object(raw))
-    prompt = chat_prompt(req, tokenizer, limits)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer)
+    prompt = chat_prompt(req, tokenizer, limits, plan.tools if plan else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: up to the context length
         max_tokens = max(limits.context_length - len(prompt), 0)
     if req.top_logprobs is not None and not req.logprobs:
         raise FieldError("top_logprobs", "needs logprobs: true")
-    prepared = _prepared(req, [prompt], max_tokens, limits)
+    prepared = _prepared(req, [prompt], max_tokens, limits, plan)
+    prepared.tools, prepared.tool_format = plan, template_format(tokenizer.chat_template)
     if req.logprobs:
         prepared.logprob = LogprobParams(True, req.top_logprobs or 0, -1)
     return prepared
 
 
 def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
-              limits: RequestLimits) -> Prepared:
+              limits: RequestLimits, plan: ToolPlan | None = None) -> Prepared:
+    grammar = grammar_fields(req, plan)
     params = []
     for ids in prompts:
         check_fits(len(ids), max_tokens, limits)
-        choices = [validate_request(ids, sampling_params(req, max_tokens, c), limits)
+        choices = [validate_request(ids, sampling_params(req, max_tokens, c, grammar), limits)
                    for c in range(req.n)]
         params.append([dataclasses.asdict(p) for p in choices])
     return Prepared(req, prompts, params)
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> SamplingParams:
-    """SGLang-named sampling parameters, validated (FieldError names the field)."""
+def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int,
+                    grammar: dict | None = None) -> SamplingParams:
+    """SGLang-named sampling parameters, validated (FieldError names the field); `grammar`:
+    the request's json_schema / regex / ebnf field (grammar_fields)."""
     if req.seed is not None:
         expect_int("seed", req.seed, 0, INT64_MAX)
     params = {
@@ -227,6 +248,7 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int) -> S
         "skip_special_tokens": req.skip_special_tokens, "logit_bias": req.logit_bias,
         # n choices with one seed would all be equal; offset it per choice.
         "seed": None if req.seed is None else (req.seed + choice) % (INT64_MAX + 1),
+        **(grammar or {}),
     }
     return SamplingParams.from_dict(params)
 
@@ -246,8 +268,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
     return [check_input_ids(p, limits, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
-                limits: RequestLimits) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: RequestLimits,
+                tools: list[dict] | None = None) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -257,11 +279,14 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
                 raise FieldError(f"messages.{i}.content", f"only text parts are supported, "
                                                           f"got {', '.join(bad)}")
             content = "".join(p.text or "" for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        message.update(m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                    exclude_none=True))
+        messages.append(tool_template_message(message))
     # The template only adds text: contents that cannot fit are refused before rendering.
     check_text("".join(m["content"] for m in messages), "messages", limits)
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, tools=tools)
     except ValueError as e:
         raise RequestError(400, str(e)) from None
     return tokenizer.encode(check_text(text, "messages", limits))
@@ -320,35 +345,69 @@ class OpenAIServing:
                             prepared.prompts, req.n, prepared.echo_texts)
         if not req.stream:
             outputs = await final_outputs(request, streams)
-            return JSONResponse(_response(rid, created, model, outputs, req.n, shape))
+            return JSONResponse(_response(rid, created, model, outputs, prepared, shape))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(request, streams, lambda outputs: _stream_chunks(
-            rid, created, model, outputs, len(streams), req.n, shape, include_usage))
+            rid, created, model, outputs, len(streams), prepared, shape, include_usage))
 
 
-def _response(rid: str, created: int, model: str, outputs: list[ReqOutput], n: int,
-              shape: ChoiceShape) -> dict:
+class _TextReader:
+    """The plain answer's reader: all text is content (same interface as ToolStreamParser)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.calls: list = []
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list]:
+        piece, self.sent = text[self.sent:], len(text)
+        return piece, []
+
+
+def _reader(prepared: Prepared) -> _TextReader | ToolStreamParser:
+    plan = prepared.tools
+    if plan is None:
+        return _TextReader()
+    return ToolStreamParser(plan.mode, prepared.tool_format, plan.names, plan.name)
+
+
+def _finish_reason(out: ReqOutput, reader: _TextReader | ToolStreamParser) -> str | None:
+    reason = finish_reason(out)
+    return "tool_calls" if reason == "stop" and reader.calls else reason
+
+
+def _response(rid: str, created: int, model: str, outputs: list[ReqOutput],
+              prepared: Prepared, shape: ChoiceShape) -> dict:
+    chat = shape.chat
     choices = []
     for i, out in enumerate(outputs):
+        reader = _reader(prepared)
+        content, calls = reader.feed(out.text, True)
         choice = {"index": i, "logprobs": shape.logprobs(i, out),
-                  "finish_reason": finish_reason(out)}
-        if shape.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+                  "finish_reason": _finish_reason(out, reader)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content or None if calls
+                                 else content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.to_dict() for c in calls]
         else:
             choice["text"] = shape.content(i, out)
         choices.append(choice)
-    return {"id": rid, "object": "chat.completion" if shape.chat else "text_completion",
-            "created": created, "model": model, "choices": choices, "usage": usage(outputs, n)}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": usage(outputs, prepared.req.n)}
 
 
 def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
            reason: str | None, chat: bool, usage_: dict | None = None,
-           role: bool = False, logprobs: dict | None = None) -> bytes:
+           role: bool = False, logprobs: dict | None = None,
+           tool_calls: list[dict] | None = None) -> bytes:
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": reason}
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -357,25 +416,31 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None,
 
 
 async def _stream_chunks(rid: str, created: int, model: str,
-                         outputs: AsyncIterator[tuple[int, ReqOutput]], num: int, n: int,
-                         shape: ChoiceShape, include_usage: bool) -> AsyncIterator[bytes]:
+                         outputs: AsyncIterator[tuple[int, ReqOutput]], num: int,
+                         prepared: Prepared, shape: ChoiceShape,
+                         include_usage: bool) -> AsyncIterator[bytes]:
     chat = shape.chat
-    sent = [0] * num  # characters of each choice's text already streamed
-    sent_tokens = [0] * num  # and tokens whose logprobs were
+    readers = [_reader(prepared) for _ in range(num)]  # what of each choice is streamed
+    sent_tokens = [0] * num  # tokens of each choice whose logprobs were streamed
     last: list[ReqOutput | None] = [None] * num
     if chat:
         for i in range(num):
             yield _chunk(rid, created, model, i, "", None, chat, role=True)
     async for i, out in outputs:
         last[i] = out
-        piece = out.text[sent[i]:]
-        sent[i] = len(out.text)
+        piece, calls = readers[i].feed(out.text, out.finished)
+        reason = _finish_reason(out, readers[i])
         logprobs = shape.logprobs(i, out, sent_tokens[i])
         new_tokens = out.completion_tokens > sent_tokens[i]
         sent_tokens[i] = out.completion_tokens
-        if piece or out.finished or (logprobs and new_tokens):
-            yield _chunk(rid, created, model, i, piece, finish_reason(out), chat,
-                         logprobs=logprobs)
+        if calls:  # each call whole, numbered across the choice's calls
+            if piece or logprobs:
+                yield _chunk(rid, created, model, i, piece, None, chat, logprobs=logprobs)
+            first = len(readers[i].calls) - len(calls)
+            yield _chunk(rid, created, model, i, None, reason, chat, tool_calls=[
+                c.to_dict(first + k) for k, c in enumerate(calls)])
+        elif piece or out.finished or (logprobs and new_tokens):
+            yield _chunk(rid, created, model, i, piece, reason, chat, logprobs=logprobs)
     if include_usage:
         yield _chunk(rid, created, model, 0, "" if chat else None, None, chat,
-                     usage_=usage(last, n))
+                     usage_=usage(last, prepared.req.n))

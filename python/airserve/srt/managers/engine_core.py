@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 
+from airserve.srt.constrained.backend import GrammarBackend
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
 from airserve.srt.managers.validation import RequestLimits
@@ -54,9 +55,12 @@ class EngineCore:
         logger.info("loading the tokenizer")
         self.tokenizer = get_tokenizer(args.tokenizer_path or args.model_path)
         self.model_runner = ModelRunner(args)
-        self.scheduler = Scheduler(self.model_runner,
-                                   eos_token_ids(self.model_runner, self.tokenizer),
-                                   scheduler_config(args))
+        eos = eos_token_ids(self.model_runner, self.tokenizer)
+        # Compiles structured-output grammars in a worker thread; xgrammar loads on first use.
+        self.grammar_backend = GrammarBackend(self.tokenizer,
+                                              self.model_runner.model_config.vocab_size, eos)
+        self.scheduler = Scheduler(self.model_runner, eos, scheduler_config(args),
+                                   self.grammar_backend)
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 
     def request_limits(self) -> RequestLimits:
@@ -91,6 +95,7 @@ class EngineCore:
             "prefix_cache": self.scheduler.cache_report(),
             "schedule": dataclasses.asdict(self.scheduler.config),
             "decode_kernels": runner.kernels_report(),
+            "grammar_backend": self.grammar_backend.report(),
         }
         if runner.graph_runner is not None:
             info["graph_runner"] = runner.graph_runner.report()

@@ -14,6 +14,7 @@ import torch
 
 from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.sampling.sampler import sample
+from airserve.srt.sampling.token_mask import apply_grammar_masks
 
 if TYPE_CHECKING:
     from airserve.srt.managers.req import Req
@@ -58,11 +59,14 @@ def sample_isolated(scheduler: Scheduler, reqs: list[Req], logits: torch.Tensor,
     `kv_lens[j]`: the KV tokens request j holds after this step's forward)."""
     if not reqs:
         return []
+    # A grammar decides itself when EOS may come; banning it could leave no token at all.
     banned = [scheduler.eos_token_ids if len(r.output_ids) < r.sampling_params.min_new_tokens
-              else () for r in reqs]
+              and r.grammar is None else () for r in reqs]
 
     def run(rows: list[int]) -> list[int]:
-        return sample(logits[rows], [reqs[j].sampling_params for j in rows],
+        rows_logits = logits[rows]  # a copy: masking it leaves `logits` for a row-wise retry
+        apply_grammar_masks(rows_logits, [reqs[j].grammar for j in rows])
+        return sample(rows_logits, [reqs[j].sampling_params for j in rows],
                       [reqs[j].input_ids for j in rows], [reqs[j].output_ids for j in rows],
                       [reqs[j].generator for j in rows], [banned[j] for j in rows])
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
 from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve.srt.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from airserve.srt.constrained.backend import GrammarState
 
 
 @dataclass(eq=False)
@@ -37,6 +42,10 @@ class Req:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_retractions: int = 0
+    # Structured output: the future of its compiled grammar while it compiles, then its matcher
+    # (constrained.backend.GrammarState), which has accepted exactly `output_ids`.
+    grammar_future: Future | None = None
+    grammar: GrammarState | None = None
     # Output text sent so far, for streaming deltas.
     sent_text_len: int = 0
     sent_token_len: int = 0

@@ -6,7 +6,9 @@ in chunks of --chunked-prefill-size tokens when it is long; after its last chunk
 decode batch. With --enable-mixed-chunk the running requests decode in the same forward as a
 prefill chunk. When decode cannot grow, cached pages are evicted, then the newest running
 request is retracted (its KV goes into the prefix cache) and re-run later from its prompt plus
-the tokens it already produced, so its output is unchanged.
+the tokens it already produced, so its output is unchanged. A request with a grammar waits in
+the grammar queue until its grammar is compiled; its matcher then masks every sampled token.
+A retracted request keeps its matcher: it re-reads the tokens the matcher has accepted.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.constrained.backend import GrammarBackend
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.managers import isolation, logprob_rows
+from airserve.srt.managers.grammar_queue import GrammarQueue
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from airserve.srt.mem_cache.kv_manager import KVManager
@@ -27,6 +31,8 @@ from airserve.srt.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from airserve.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.02  # an idle step waits this long for a compiling grammar
 
 
 @dataclass
@@ -46,7 +52,8 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, model_runner: ModelRunner, eos_token_ids: tuple[int, ...],
-                 config: SchedulerConfig | None = None) -> None:
+                 config: SchedulerConfig | None = None,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.runner = model_runner
         self.config = config = config or SchedulerConfig()
         self.allocator = model_runner.allocator
@@ -58,12 +65,13 @@ class Scheduler:
         self.max_running = model_runner.max_running_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
+        self.grammar_queue = GrammarQueue(grammar_backend)
         self.running: list[Req] = []
         self.chunked_req: Req | None = None  # prefilled in part; its next chunk comes first
         self._finished: list[Req] = []
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "retractions": 0,
                       "mixed_steps": 0, "finished_requests": 0, "aborted_requests": 0,
-                      "failed_requests": 0}
+                      "failed_requests": 0, "grammar_requests": 0}
 
     # Requests in and out.
     def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
@@ -91,9 +99,17 @@ class Scheduler:
         if req.sampling_params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
+        if self.grammar_queue.needs_grammar(req):
+            self.grammar_queue.add(req)
+            self.stats["grammar_requests"] += 1
+            return
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
+        compiling = self.grammar_queue.remove(rid)
+        if compiling is not None:
+            self._finish(compiling, {"type": "abort", "message": "aborted"})
+            return True
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -111,7 +127,8 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._finished)
+        return bool(self.waiting or self.running or self.chunked_req or self._finished
+                    or self.grammar_queue)
 
     def holders(self) -> list[Req]:
         """The requests that hold KV pages now."""
@@ -119,7 +136,8 @@ class Scheduler:
 
     def flush_cache(self) -> None:
         """Empty the prefix cache; refused while requests are in flight."""
-        n = len(self.running) + len(self.waiting) + (self.chunked_req is not None)
+        n = len(self.running) + len(self.waiting) + (self.chunked_req is not None) + len(
+            self.grammar_queue)
         if n:
             raise RuntimeError(f"{n} requests are in flight; flush when the server is idle")
         self.kv.flush()
@@ -129,6 +147,7 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward pass if there is work; return the requests that progressed."""
+        self._admit_compiled()
         batch = self.next_batch()
         updated: list[Req] = []
         if batch is not None:
@@ -137,6 +156,21 @@ class Scheduler:
         updated.extend(r for r in self._finished if r not in updated)
         self._finished = []
         return updated
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed ones end (400). With
+        nothing else to run, wait a little for a grammar rather than spin."""
+        queue = self.grammar_queue
+        if not queue:
+            return
+        if not (self.waiting or self.running or self.chunked_req):
+            queue.wait(GRAMMAR_WAIT_S)
+        ready, failed = queue.pop_done()
+        self.waiting.extend(ready)
+        for req, error in failed:
+            self.stats["failed_requests"] += 1
+            self._finish(req, {"type": "abort", "status_code": isolation.status_for(error),
+                               "message": str(error)})
 
     # Batch building.
     def next_batch(self) -> ScheduledBatch | None:
@@ -294,6 +328,8 @@ class Scheduler:
             if token is None:  # failed while sampling
                 continue
             try:
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 req.output_ids.append(token)
                 req.first_token_time = req.first_token_time or now
                 self.stats["generated_tokens"] += 1
@@ -329,9 +365,10 @@ class Scheduler:
     def fail_unattributed(self, message: str, tracked: list[Req] = ()) -> list[Req]:
         """A step raised where no request could be blamed: fail every running request (the
         step may have left them half-updated) and every `tracked` request that is neither
-        waiting nor finished (caught between queues); the waiting ones stay queued. Their KV
-        pages, those a half-built batch allocated included, are freed."""
-        queued = set(map(id, self.waiting))
+        waiting nor finished (caught between queues); the waiting ones (and those whose
+        grammar compiles) stay queued. Their KV pages, those a half-built batch allocated
+        included, are freed."""
+        queued = set(map(id, [*self.waiting, *self.grammar_queue.pending]))
         limbo = [r for r in tracked if id(r) not in queued and not r.finished
                  and r not in self.holders()]
         for req in self.holders() + limbo:
@@ -351,6 +388,8 @@ class Scheduler:
             for stop in params.stop:
                 if stop in window:
                     return {"type": "stop", "matched": stop}
+        if req.grammar is not None and req.grammar.terminated:  # ended with ignore_eos set
+            return {"type": "stop", "matched": token}
         if len(req.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         if req.seq_len >= self.context_len:

@@ -148,7 +148,8 @@ class SchedulerLoop:
         from airserve.srt.managers.engine_core import build_req
 
         try:
-            params = validate_request(msg.input_ids, msg.sampling_params, self.limits)
+            params = validate_request(msg.input_ids, msg.sampling_params, self.limits,
+                                      parse_grammar=False)
             check_logprob(msg.logprob, len(msg.input_ids), params.max_new_tokens)
             req = build_req(self.core.tokenizer, msg.input_ids, params, rid=msg.rid,
                             stream=msg.stream, logprob=msg.logprob)

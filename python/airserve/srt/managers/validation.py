@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from airserve.srt.constrained.spec import check_grammar, grammar_of
 from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
     INT32_MAX,
@@ -42,13 +43,12 @@ NATIVE_NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 # OpenAI (and SGLang's OpenAI extensions) fields that airserve does not implement.
 OPENAI_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"),
-    "functions": ([],), "function_call": ("none", "auto"), "regex": (), "json_schema": (),
-    "ebnf": (), "structural_tag": (), "stop_regex": (), "no_stop_trim": (False,),
+    "suffix": ("",), "best_of": (1,),
+    "functions": ([],), "function_call": ("none", "auto"), "json_schema": (),
+    "structural_tag": (), "stop_regex": (), "no_stop_trim": (False,),
     "spaces_between_special_tokens": (True,), "continue_final_message": (False,),
     "chat_template_kwargs": ({},), "lora_path": ("",), "session_params": ({},),
     "return_hidden_states": (False,), "audio": (), "modalities": (["text"],),
-    "response_format": ({"type": "text"},),
     # Output-changing fields of OpenAI's and vLLM's newer protocols, accepted by SGLang.
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "prompt_logprobs": (),
     "sampling_seed": (), "token_ids_logprob": ([],),
@@ -152,9 +152,10 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, limits: RequestLimits) -
 
 
 def validate_request(input_ids: object, sampling_params: Mapping | SamplingParams | None,
-                     limits: RequestLimits) -> SamplingParams:
+                     limits: RequestLimits, parse_grammar: bool = True) -> SamplingParams:
     """The whole check of one tokenized request; returns its parameters. The scheduler process
-    calls this before it queues a request (the front doors ran it already)."""
+    calls this before it queues a request (the front doors ran it already, grammar parse
+    included: the scheduler passes `parse_grammar=False` and compiles it off its loop)."""
     ids = check_input_ids(input_ids, limits)
     params = sampling_params if isinstance(sampling_params, SamplingParams) else \
         SamplingParams.from_dict(sampling_params)
@@ -164,6 +165,9 @@ def validate_request(input_ids: object, sampling_params: Mapping | SamplingParam
         raise FieldError("logit_bias", f"token id {outside[0]} is not in the vocabulary "
                                        f"[0, {limits.vocab_size})")
     check_fits(len(ids), params.max_new_tokens, limits)
+    spec = grammar_of(params)
+    if parse_grammar and spec is not None:
+        check_grammar(spec, "sampling_params." + spec.kind)
     return params
 
 

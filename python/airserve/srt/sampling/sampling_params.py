@@ -19,10 +19,12 @@ MAX_STOP_STRINGS = 64  # every stop string is matched after every step
 # SGLang sampling fields airserve does not implement -> the values that ask for nothing (null
 # is always fine). Any other value would change the output, so the request is refused.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
+    "structural_tag": (), "stop_regex": (),
     "custom_params": ({},), "n": (1,), "no_stop_trim": (False,),
     "spaces_between_special_tokens": (True,), "sampling_seed_offset": (0,),
 }
+# Grammars that constrain the output (airserve.srt.constrained); at most one per request.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # Accepted and checked, with no effect on the output: every step is streamed anyway.
 NO_EFFECT = frozenset({"stream_interval"})
 
@@ -90,6 +92,13 @@ def expect_token_ids(name: str, value: object) -> list[int]:
     return value
 
 
+def expect_grammar(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise FieldError(name, f"must be a non-empty string (the grammar's source), got "
+                               f"{show(value)}")
+    return value
+
+
 def refuse_not_implemented(values: Mapping, table: Mapping[str, tuple], prefix: str = "") -> None:
     """Refuse every field of `table` that `values` sets to anything but null or a no-op."""
     bad = [name for name, noop in table.items()
@@ -146,6 +155,7 @@ RULES: dict[str, _Check] = {
     "seed": lambda n, v: expect_int(n, v, 0, INT64_MAX),
     "stream_interval": lambda n, v: expect_int(n, v, 1, INT32_MAX),
     "logit_bias": expect_logit_bias,
+    **{name: expect_grammar for name in GRAMMAR_FIELDS},
 }
 
 
@@ -167,6 +177,10 @@ class SamplingParams:
     seed: int | None = None
     # Added to the logits before sampling (after penalties); logprobs do not see it.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # At most one: the output must match this grammar (checked by airserve.srt.constrained).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping | None, prefix: str = "") -> SamplingParams:
@@ -191,6 +205,10 @@ class SamplingParams:
             raise FieldError(prefix + "min_new_tokens",
                              f"must be <= max_new_tokens ({params.max_new_tokens}), got "
                              f"{params.min_new_tokens}")
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+        if len(grammars) > 1:
+            raise FieldError(prefix + grammars[1], "only one constraint per request: "
+                             + " and ".join(grammars) + " are both set")
         return params
 
     @property
