@@ -3,8 +3,10 @@
 Accepts what SGLang's clients send: `text` or `input_ids`, one or a list, `sampling_params` (one
 dict or one per prompt), `stream`, `rid`; SGLang fields airserve does not implement are refused
 when set (`NATIVE_NOT_IMPLEMENTED`); other unknown or null top-level fields (client bookkeeping
-such as `priority` or `log_metrics`) are ignored. Streaming sends `data: <json>` events whose
-`text` and `meta_info.completion_tokens` are cumulative, then `data: [DONE]`.
+such as `priority` or `log_metrics`) are ignored. `data_parallel_rank` (SGLang's router sets it
+with --dp-aware) sends the request to that data-parallel replica. Streaming sends
+`data: <json>` events whose `text` and `meta_info.completion_tokens` are cumulative, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from airserve.srt.managers.validation import (
     refuse_not_implemented,
     validate_request,
 )
-from airserve.srt.sampling.sampling_params import SamplingParams, expect_bool, show
+from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
+    SamplingParams,
+    expect_bool,
+    expect_int,
+    show,
+)
 from airserve.srt.tokenizer import Tokenizer
 
 
@@ -45,6 +53,7 @@ class GenerateRequest:
     stream: bool
     rids: list[str | None]
     single: bool
+    dp_rank: int | None = None
 
 
 def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> GenerateRequest:
@@ -77,10 +86,13 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
     stream = body.get("stream")
     stream = False if stream is None else expect_bool("stream", stream)
     rids = _rids(body.get("rid"), len(prompts))
+    dp_rank = body.get("data_parallel_rank")
+    if dp_rank is not None:
+        dp_rank = expect_int("data_parallel_rank", dp_rank, 0, INT32_MAX)
     for p, sp in zip(prompts, params):
         validate_request(p, sp, limits)
     return GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,
-                           single)
+                           single, dp_rank)
 
 
 def _rids(raw, n: int) -> list[str | None]:
@@ -125,7 +137,7 @@ def output_dict(out: ReqOutput, index: int | None = None) -> dict:
 
 async def generate(request: Request, manager: TokenizerManager, limits: RequestLimits):
     req = await off_loop(parse_generate, await request.body(), manager.tokenizer, limits)
-    streams = [manager.generate(ids, p, stream=req.stream, rid=rid)
+    streams = [manager.generate(ids, p, stream=req.stream, rid=rid, dp_rank=req.dp_rank)
                for ids, p, rid in zip(req.prompts, req.params, req.rids)]
     if req.stream:
         return await stream_response(request, streams, partial(_events, single=req.single))

@@ -84,6 +84,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
+    data_parallel_rank: int | None = Field(None, ge=0)  # SGLang's: send it to that replica
 
 
 class CompletionRequest(_SamplingFields):
@@ -271,7 +272,8 @@ class OpenAIServing:
     async def _serve(self, request: Request, prepared: Prepared, chat: bool):
         req = prepared.req
         model = resolve_model(req, self.model_names)
-        streams = [self.manager.generate(ids, p, stream=req.stream)
+        streams = [self.manager.generate(ids, p, stream=req.stream,
+                                         dp_rank=req.data_parallel_rank)
                    for ids, choices in zip(prepared.prompts, prepared.params) for p in choices]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
