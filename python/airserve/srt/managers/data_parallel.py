@@ -142,6 +142,7 @@ class Replica:
             "kv_used_tokens": self.stats.get("kv_used_tokens", 0),
             "cache_hit_rate": cache.get("hit_rate", 0.0),
             "finished_requests": self.stats.get("finished_requests", 0),
+            "aborted_requests": self.stats.get("aborted_requests", 0),
         }
 
     # The two pipe threads.
