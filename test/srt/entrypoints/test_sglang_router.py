@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from airserve_testing.server_utils import ServerProcess, free_port
+from airserve_testing.server_utils import API_KEY, ServerProcess, free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install "
                                             "sglang-router, or the `test` extra)")
@@ -25,10 +25,12 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip
 N_NEW = 8
 LONG = 400  # tokens: long enough to be in flight when the worker dies
 TIMEOUT = 90.0  # catches a hang, never reached by a healthy run
+# The router's --api-key: what its clients send, and what it sends to the workers.
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class Router:
-    def __init__(self, worker_urls: list[str]) -> None:
+    def __init__(self, worker_urls: list[str], worker_api_key: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="router-", suffix=".log",
@@ -37,7 +39,7 @@ class Router:
                *worker_urls, "--host", "127.0.0.1", "--port", str(self.port),
                "--policy", "round_robin", "--prometheus-port", str(free_port()),
                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-               "--log-level", "warn"]
+               "--api-key", worker_api_key, "--log-level", "warn"]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -47,7 +49,8 @@ class Router:
 
     def healthy_workers(self) -> set[str]:
         try:
-            workers = httpx.get(self.url + "/workers", timeout=5).json()["workers"]
+            workers = httpx.get(self.url + "/workers", headers=AUTH, timeout=5).json()[
+                "workers"]
         except (httpx.HTTPError, ValueError, KeyError):
             return set()
         return {w["url"] for w in workers if w["is_healthy"]}
@@ -74,13 +77,13 @@ class Router:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    workers = [ServerProcess(tiny_llama_dir, "--max-total-tokens", "8192", api_key=None)
-               for _ in range(2)]
+    # The workers want an API key, as any reachable from other machines should.
+    workers = [ServerProcess(tiny_llama_dir, "--max-total-tokens", "8192") for _ in range(2)]
     router = None
     try:
         for worker in workers:
             worker.wait_ready()
-        router = Router([w.url for w in workers])
+        router = Router([w.url for w in workers], API_KEY)
         router.wait_for_workers([w.url for w in workers])
         yield router, workers
     finally:
@@ -154,7 +157,7 @@ def mixed_load(url: str, rounds: int) -> dict[tuple[str, str], set[str]]:
             for prompt in ("The sky is", "Once upon a time")]
 
     def run(job):
-        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=TIMEOUT) as client:
             return job, KINDS[job[0]](client, job[1])
 
     texts: dict[tuple[str, str], set[str]] = {}
@@ -164,9 +167,12 @@ def mixed_load(url: str, rounds: int) -> dict[tuple[str, str], set[str]]:
     return texts
 
 
+def get(worker: ServerProcess, path: str):
+    return httpx.get(worker.url + path, headers=worker.headers, timeout=10).json()
+
+
 def finished(worker: ServerProcess) -> int:
-    return httpx.get(worker.url + "/get_server_info", timeout=10).json()["scheduler"][
-        "finished_requests"]
+    return get(worker, "/get_server_info")["scheduler"]["finished_requests"]
 
 
 def test_mixed_load_through_the_router(cluster):
@@ -182,10 +188,10 @@ def test_mixed_load_through_the_router(cluster):
     served = [finished(w) - b for w, b in zip(workers, before)]
     assert min(served) > 0 and sum(served) == 2 * 2 * len(KINDS), served
     # The routes the router calls on its workers, answered as SGLang's are.
-    info = httpx.get(workers[0].url + "/server_info", timeout=10).json()
+    info = get(workers[0], "/server_info")
     assert info["dp_size"] == 1 and info["served_model_name"] and info["model_path"]
-    assert httpx.get(workers[0].url + "/model_info", timeout=10).json()["is_generation"]
-    assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 200
+    assert get(workers[0], "/model_info")["is_generation"]
+    assert httpx.post(router.url + "/flush_cache", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_a_killed_worker_fails_only_its_requests_and_the_router_routes_around_it(cluster):
@@ -195,7 +201,7 @@ def test_a_killed_worker_fails_only_its_requests_and_the_router_routes_around_it
     def long_request(i: int) -> str:
         """'ok' for a complete answer, 'failed (why)' for a clean failure; a hang raises."""
         stream = i % 2 == 0
-        with httpx.Client(base_url=router.url, timeout=TIMEOUT) as client:
+        with httpx.Client(base_url=router.url, headers=AUTH, timeout=TIMEOUT) as client:
             try:
                 native(client, f"request {i}", stream=stream, n=LONG)
                 return "ok"
@@ -209,8 +215,7 @@ def test_a_killed_worker_fails_only_its_requests_and_the_router_routes_around_it
         results = [pool.submit(long_request, i) for i in range(n)]
         deadline = time.monotonic() + TIMEOUT
         while True:  # every request dispatched to a worker, none finished yet
-            loads = [httpx.get(w.url + "/get_load", timeout=10).json()[0]["num_reqs"]
-                     for w in (alive, victim)]
+            loads = [get(w, "/get_load")[0]["num_reqs"] for w in (alive, victim)]
             if sum(loads) == n:
                 break
             assert time.monotonic() < deadline and not any(r.done() for r in results), loads

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from airserve import Engine
+from airserve.launch_server import parse_args
 from airserve.srt.managers.data_parallel import OpenReq, Replica, check_threads, pick_replica
 from airserve.srt.server_args import ServerArgs
 from airserve_testing.server_utils import ServerProcess
@@ -53,6 +54,15 @@ def test_threads_warning_names_both_flags():
     warning = check_threads(2, 2, 2)
     assert "--dp-size 2" in warning and "--num-threads 2" in warning and "at most 1" in warning
     assert "torch's default" in check_threads(2, None, 4)
+
+
+def test_dp_size_flags(capsys):
+    assert parse_args(["--dp-size", "2"]).dp_size == 2
+    assert parse_args(["--data-parallel-size", "3"]).dp_size == 3
+    assert parse_args([]).dp_size == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--dp-size", "0"])
+    assert "dp_size=0: must be a positive integer" in capsys.readouterr().err
 
 
 def test_offline_engine_refuses_dp_size():
