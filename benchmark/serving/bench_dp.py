@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ModeFailed, bench_serving.BenchmarkError, OSError) as e:
             records[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"config {name} failed: {records[name]['error']}", file=sys.stderr)
-    results = {"config": vars(args), "records": records}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+        # After every configuration, so an interrupted run keeps what it measured.
+        results = {"config": vars(args), "records": records}
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     table = markdown(records)
     (out_dir / "results.md").write_text(table, encoding="utf-8")
     print("\n" + table)
