@@ -64,15 +64,15 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict:
 
 
 def markdown(records: dict) -> str:
-    head = ("| config | output tok/s | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
-            "e2e p50 | requests per replica |")
+    head = ("| config | output tok/s | req/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | "
+            "ITL p99 | e2e p50 (ms) | requests per replica |")
     lines = [head, "|" + "---|" * 9]
     for name, row in records.items():
         if row.get("error"):
             lines.append(f"| {name} | failed: {row['error']} |" + " |" * 7)
             continue
-        cells = [f"{row[k]:.1f}" if isinstance(row.get(k), (int, float)) else ""
-                 for k in COLUMNS]
+        cells = [f"{row[k]:.3f}" if k == "request_throughput" else f"{row[k]:.1f}"
+                 if isinstance(row.get(k), (int, float)) else "" for k in COLUMNS]
         spread = " / ".join(map(str, row["per_replica_requests"]))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {spread} |")
     return "\n".join(lines) + "\n"
