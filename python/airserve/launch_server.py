@@ -20,8 +20,6 @@ from airserve.srt.server_args import ServerArgs
 SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--tp-size": ((1,), "tensor parallelism is not supported; airserve runs on one device"),
     "--tensor-parallel-size": ((1,), "tensor parallelism is not supported"),
-    "--dp-size": ((1,), "data parallelism is not supported; start one server per device"),
-    "--data-parallel-size": ((1,), "data parallelism is not supported"),
     "--pp-size": ((1,), "pipeline parallelism is not supported"),
     "--pipeline-parallel-size": ((1,), "pipeline parallelism is not supported"),
     "--ep-size": ((1,), "expert parallelism is not supported"),
@@ -46,8 +44,8 @@ SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--trust-remote-code": ((True,), ""),  # no model code is ever loaded from a checkpoint
     "--disable-overlap-schedule": ((True,), ""),  # the schedule never overlaps
 }
-_FLAG_TYPES = {"--tp-size": int, "--tensor-parallel-size": int, "--dp-size": int,
-               "--data-parallel-size": int, "--pp-size": int, "--pipeline-parallel-size": int,
+_FLAG_TYPES = {"--tp-size": int, "--tensor-parallel-size": int,
+               "--pp-size": int, "--pipeline-parallel-size": int,
                "--ep-size": int, "--nnodes": int, "--node-rank": int,
                "--stream-interval": int}
 _SWITCHES = ("--enable-dp-attention", "--enable-lora", "--skip-tokenizer-init", "--is-embedding",

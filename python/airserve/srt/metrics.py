@@ -70,54 +70,55 @@ class ServerMetrics:
 
 
 class _SchedulerCollector(Collector):
-    """Gauges and counters read from the scheduler's stats snapshot at scrape time."""
+    """Gauges and counters read from each scheduler's stats snapshot at scrape time, one
+    series per data-parallel replica (label `dp_rank`)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], list[dict]]) -> None:
         self.model_name = model_name
         self.stats = stats
 
     def collect(self) -> Iterator:
-        s = self.stats() or {}
-        name = [self.model_name]
+        replicas = self.stats() or [{}]
+        families = []
 
-        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-            g.add_metric(name, value)
-            return g
+        def family(kind, metric: str, doc: str, value, extra: tuple[str, ...] = ()) -> None:
+            """`value(stats)` -> a number, or for `extra` labels a {label values: number}."""
+            f = kind(PREFIX + metric, doc, labels=["model_name", "dp_rank", *extra])
+            for rank, s in enumerate(replicas):
+                name = [self.model_name, str(rank)]
+                if extra:
+                    for key, v in sorted(value(s or {}).items()):
+                        f.add_metric(name + [key], v)
+                else:
+                    f.add_metric(name, value(s or {}))
+            families.append(f)
 
-        yield gauge("num_running_reqs", "Requests in the running batch",
-                    s.get("num_running_reqs", 0))
-        yield gauge("num_queue_reqs", "Requests waiting to be scheduled",
-                    s.get("num_waiting_reqs", 0))
-        total = s.get("kv_total_tokens", 0)
-        yield gauge("token_usage", "Fraction of KV cache tokens in use",
-                    s.get("kv_used_tokens", 0) / total if total else 0.0)
-        yield gauge("max_total_num_tokens", "KV cache capacity in tokens", total)
-        replays = CounterMetricFamily(PREFIX + "graph_replays", "Decode steps replayed by the "
-                                      "graph runner", labels=["model_name"])
-        replays.add_metric(name, s.get("graph_replays", 0))
-        yield replays
-        fallbacks = CounterMetricFamily(PREFIX + "eager_fallbacks", "Decode steps that ran "
-                                        "eager instead of in the graph runner, by reason",
-                                        labels=["model_name", "reason"])
-        for reason, count in sorted(s.get("eager_fallbacks", {}).items()):
-            fallbacks.add_metric(name + [reason], count)
-        yield fallbacks
-        cache = s.get("prefix_cache", {})
-        yield gauge("cache_hit_rate", "Prefix cache hit rate (cached / looked-up prompt tokens)",
-                    cache.get("hit_rate", 0.0))
-        yield gauge("radix_cache_tokens", "Tokens held by the prefix cache",
-                    cache.get("cached_tokens", 0))
-        yield gauge("radix_cache_nodes", "Nodes of the prefix cache's tree", cache.get("nodes", 0))
-        evicted = CounterMetricFamily(PREFIX + "radix_cache_evicted_tokens", "Tokens evicted from "
-                                      "the prefix cache", labels=["model_name"])
-        evicted.add_metric(name, cache.get("evicted_tokens", 0))
-        yield evicted
-        mixed = CounterMetricFamily(PREFIX + "mixed_steps", "Forward passes that carried decode "
-                                    "rows and a prefill chunk together", labels=["model_name"])
-        mixed.add_metric(name, s.get("mixed_steps", 0))
-        yield mixed
-        retractions = CounterMetricFamily(PREFIX + "num_retractions", "Requests retracted to "
-                                          "free KV pages", labels=["model_name"])
-        retractions.add_metric(name, s.get("retractions", 0))
-        yield retractions
+        def cache(key: str, default=0):
+            return lambda s: s.get("prefix_cache", {}).get(key, default)
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        family(gauge, "num_running_reqs", "Requests in the running batch",
+               lambda s: s.get("num_running_reqs", 0))
+        family(gauge, "num_queue_reqs", "Requests waiting to be scheduled",
+               lambda s: s.get("num_waiting_reqs", 0))
+        family(gauge, "token_usage", "Fraction of KV cache tokens in use",
+               lambda s: s.get("kv_used_tokens", 0) / s["kv_total_tokens"]
+               if s.get("kv_total_tokens") else 0.0)
+        family(gauge, "max_total_num_tokens", "KV cache capacity in tokens",
+               lambda s: s.get("kv_total_tokens", 0))
+        family(counter, "graph_replays", "Decode steps replayed by the graph runner",
+               lambda s: s.get("graph_replays", 0))
+        family(counter, "eager_fallbacks", "Decode steps that ran eager instead of in the graph "
+               "runner, by reason", lambda s: s.get("eager_fallbacks", {}), ("reason",))
+        family(gauge, "cache_hit_rate", "Prefix cache hit rate (cached / looked-up prompt "
+               "tokens)", cache("hit_rate", 0.0))
+        family(gauge, "radix_cache_tokens", "Tokens held by the prefix cache",
+               cache("cached_tokens"))
+        family(gauge, "radix_cache_nodes", "Nodes of the prefix cache's tree", cache("nodes"))
+        family(counter, "radix_cache_evicted_tokens", "Tokens evicted from the prefix cache",
+               cache("evicted_tokens"))
+        family(counter, "mixed_steps", "Forward passes that carried decode rows and a prefill "
+               "chunk together", lambda s: s.get("mixed_steps", 0))
+        family(counter, "num_retractions", "Requests retracted to free KV pages",
+               lambda s: s.get("retractions", 0))
+        return iter(families)

@@ -62,6 +62,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     attention_backend: str | None = None  # None: "ascend" on npu, "torch_native" elsewhere
     num_threads: int | None = None  # torch intra-op threads on cpu; None keeps torch's default
+    # Data parallelism: this many scheduler processes, each a whole replica (model, KV pool,
+    # prefix cache) with its own --num-threads, behind the one HTTP server.
+    dp_size: int = 1
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
@@ -136,7 +139,7 @@ class ServerArgs:
             raise ValueError(f"openvino_dynamic_quant_group_size="
                              f"{self.openvino_dynamic_quant_group_size}: must be >= 0 (0 = off)")
         for name in ("page_size", "max_total_tokens", "max_running_requests", "context_length",
-                     "cuda_graph_max_bs", "num_threads"):
+                     "cuda_graph_max_bs", "num_threads", "dp_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer")
@@ -282,7 +285,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS),
                    default=d.attention_backend)
     g.add_argument("--num-threads", type=int, default=d.num_threads,
-                   help="torch intra-op threads on cpu")
+                   help="torch intra-op threads on cpu (per data-parallel replica)")
+    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int,
+                   default=d.dp_size,
+                   help="data parallelism: this many replicas of the model (one scheduler "
+                        "process each); each request goes to the one with the fewest queued "
+                        "tokens")
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")

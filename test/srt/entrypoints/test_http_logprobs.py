@@ -218,18 +218,17 @@ NOT_IMPLEMENTED = {
                   "custom_logit_processor": "f", "token_ids_logprob": [1],
                   "return_bytes": True, "lora_id": "a", "return_routed_experts": True,
                   "require_reasoning": True, "video_data": "v", "audio_data": "a"},
-    "/generate.sampling_params": {"regex": "a+", "json_schema": "{}", "ebnf": "r", "stop_regex":
-                                  "a", "structural_tag": "{}", "no_stop_trim": True,
+    "/generate.sampling_params": {"stop_regex": "a", "structural_tag": "{}", "no_stop_trim": True,
                                   "custom_params": {"a": 1}, "sampling_seed_offset": 1,
                                   "spaces_between_special_tokens": False},
-    "/v1/completions": {"suffix": "x", "best_of": 2, "regex": "a", "json_schema": "{}",
+    "/v1/completions": {"suffix": "x", "best_of": 2, "json_schema": "{}",
                         "no_stop_trim": True, "lora_path": "a", "return_hidden_states": True,
                         "prompt_logprobs": 1, "sampling_seed": 1, "token_ids_logprob": [1]},
     "/v1/chat/completions": {"continue_final_message": True, "chat_template_kwargs": {"a": 1},
                              "reasoning_effort": "low", "verbosity": "low",
                              "web_search_options": {}, "audio": {"voice": "x"},
                              "modalities": ["audio"], "functions": [{"name": "f"}],
-                             "stop_regex": "a", "ebnf": "r", "session_params": {"id": "s"}},
+                             "stop_regex": "a", "session_params": {"id": "s"}},
 }
 
 

@@ -37,6 +37,10 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, device: str = "cpu", **kwargs) -> None:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, device=device, **kwargs)
+        if self.server_args.dp_size != 1:
+            raise ValueError(f"dp_size={self.server_args.dp_size}: the offline Engine runs one "
+                             "replica in this process; data parallelism is the HTTP server's "
+                             "(python -m airserve.launch_server --dp-size N)")
         self.core = EngineCore(self.server_args)
         self.tokenizer = self.core.tokenizer
         self.model_runner = self.core.model_runner

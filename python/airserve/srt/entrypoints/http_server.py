@@ -2,9 +2,11 @@
 
 Process layout (as SGLang): this process runs the event loop, tokenizes, and streams
 responses; the model, KV cache and batching live in the scheduler process
-(`managers/scheduler_process.py`), so `/health` answers while a batch decodes. SIGINT/SIGTERM
-end every open request (streams get an error event and `[DONE]`), stop uvicorn, then stop the
-scheduler process; the server exits 0.
+(`managers/scheduler_process.py`; one per replica with --dp-size), so `/health` answers while
+a batch decodes. The routes SGLang's router calls on its workers (`/health`, `/server_info`,
+`/model_info`, `/get_load`, `/flush_cache`, the generate routes) answer as SGLang's do.
+SIGINT/SIGTERM end every open request (streams get an error event and `[DONE]`), stop uvicorn,
+then stop the scheduler processes; the server exits 0.
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
             "owned_by": "airserve", "root": names[0],
             "max_model_len": manager.info["context_length"]}]}
 
+    # /model_info and /server_info: the names SGLang's router asks its workers.
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info():
         path = manager.info["model_path"]
         return {"model_path": path, "tokenizer_path": args.tokenizer_path or path,
@@ -127,22 +131,39 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
                 "context_length": manager.info["context_length"]}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info():
-        ok, info = await manager.call("server_info")
-        if not ok:
-            raise RequestError(500, f"the scheduler could not report: {info}")
+        replies = await manager.call("server_info")
+        for rank, (ok, info) in enumerate(replies):
+            if not ok:
+                raise RequestError(500, f"replica {rank}'s scheduler could not report: {info}")
+        # Replica 0's report at the top (the only one without --dp-size), every replica's
+        # load under "replicas".
         info = {"version": __version__, "served_model_name": names[0],
-                "tokenizer_path": args.tokenizer_path or manager.info["model_path"], **info,
+                "tokenizer_path": args.tokenizer_path or manager.info["model_path"],
+                **replies[0][1], "dp_size": args.dp_size,
+                "replicas": [{**load, "kv_pool": info["kv_pool"],
+                              "prefix_cache": info["prefix_cache"]}
+                             for load, (_, info) in zip(manager.load_report(), replies)],
                 "server_args": _server_args_dict(args), "devices": devices}
         # Runner reports may hold non-JSON values (dtypes, devices): show them as text.
         return JSONResponse(json.loads(json.dumps(info, default=str)))
 
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's shape: one entry per data-parallel rank."""
+        return [{"dp_rank": r["dp_rank"], "num_reqs": r["open_requests"],
+                 "num_waiting_reqs": r["num_waiting_reqs"], "num_tokens": r["queued_tokens"]}
+                for r in manager.load_report()]
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        ok, message = await manager.call("flush_cache")
-        if not ok:
-            raise RequestError(400, f"cache not flushed: {message}")
-        return PlainTextResponse(message)
+        replies = await manager.call("flush_cache")
+        failed = [f"replica {rank}: {message}" if len(replies) > 1 else message
+                  for rank, (ok, message) in enumerate(replies) if not ok]
+        if failed:
+            raise RequestError(400, f"cache not flushed: {'; '.join(failed)}")
+        return PlainTextResponse(replies[0][1])
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -234,7 +255,7 @@ async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socke
         from airserve.srt.metrics import ServerMetrics
 
         metrics = ServerMetrics(model_names(args, manager.info["model_path"])[0],
-                                lambda: manager.stats)
+                                manager.replica_stats)
         manager.metrics = metrics
     app = create_app(manager, args, metrics, await devices)
     loop = asyncio.get_running_loop()
@@ -251,9 +272,10 @@ async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socke
         if await _warmup(manager, args):
             manager.ready = True
             host, port = sock.getsockname()[:2]
-            logger.info("airserve is ready: http://%s:%d (model %s, device %s, decode runner %s)",
-                        host, port, model_names(args, manager.info["model_path"])[0],
-                        args.device, manager.info["runner"])
+            logger.info("airserve is ready: http://%s:%d (model %s, device %s, decode runner %s"
+                        "%s)", host, port, model_names(args, manager.info["model_path"])[0],
+                        args.device, manager.info["runner"],
+                        f", {args.dp_size} data-parallel replicas" if args.dp_size > 1 else "")
         else:
             code = 1
             server.should_exit = True
@@ -274,9 +296,10 @@ async def _warmup(manager: TokenizerManager, args: ServerArgs) -> bool:
     if args.skip_server_warmup:
         return True
     ids = manager.tokenizer.encode("The capital of France is")[:16] or [0]
-    try:
-        await asyncio.wait_for(_drain(manager.generate(ids, {"max_new_tokens": 8,
-                                                             "temperature": 0.0})),
+    params = {"max_new_tokens": 8, "temperature": 0.0}
+    try:  # every replica: each compiles its own graphs
+        await asyncio.wait_for(asyncio.gather(*(_drain(manager.generate(ids, params, dp_rank=rank))
+                                                for rank in range(args.dp_size))),
                                WARMUP_TIMEOUT_S)
     except (RequestError, TimeoutError) as e:
         logger.error("warm-up generation failed: %s; the server stops", e or "timed out")

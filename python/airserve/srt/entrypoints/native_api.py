@@ -7,7 +7,8 @@ when set (`NATIVE_NOT_IMPLEMENTED`). Logprobs (`return_logprob`, `top_logprobs_n
 `sampling_params.n` > 1 answers n samples per prompt (a list, prompt by prompt). Other unknown
 or null top-level fields (client bookkeeping such as `priority` or `log_metrics`) are ignored.
 Streaming sends `data: <json>` events whose `text`, `meta_info.completion_tokens` and logprob
-lists are cumulative, then `data: [DONE]`.
+lists are cumulative, then `data: [DONE]`. `data_parallel_rank` (SGLang's router sets it with
+--dp-aware) sends the request to that data-parallel replica.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from airserve.srt.managers.validation import (
 )
 from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
+    INT32_MAX,
     INT64_MAX,
     SamplingParams,
     expect_bool,
@@ -63,6 +65,7 @@ class GenerateRequest:
     logprob: list[LogprobParams | None] = field(default_factory=list)  # per prompt
     text_in_logprobs: bool = False
     n: int = 1  # samples per prompt: prompt i's are requests i*n .. i*n+n-1
+    dp_rank: int | None = None
 
 
 def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> GenerateRequest:
@@ -95,13 +98,16 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
     stream = body.get("stream")
     stream = False if stream is None else expect_bool("stream", stream)
     rids = _rids(body.get("rid"), len(prompts))
+    dp_rank = body.get("data_parallel_rank")
+    if dp_rank is not None:
+        dp_rank = expect_int("data_parallel_rank", dp_rank, 0, INT32_MAX)
     for p, sp in zip(prompts, params):
         validate_request(p, sp, limits)
     logprob = [parse_logprob(body, len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
     with_text = body.get("return_text_in_logprobs")
     with_text = False if with_text is None else expect_bool("return_text_in_logprobs", with_text)
     req = GenerateRequest(prompts, [dataclasses.asdict(sp) for sp in params], stream, rids,
-                          single, logprob, with_text, n)
+                          single, logprob, with_text, n, dp_rank)
     return _expand(req) if n > 1 else req
 
 
@@ -176,7 +182,8 @@ def output_dict(out: ReqOutput, index: int | None = None, prompt: list[int] | No
 
 async def generate(request: Request, manager: TokenizerManager, limits: RequestLimits):
     req = await off_loop(parse_generate, await request.body(), manager.tokenizer, limits)
-    streams = [manager.generate(ids, p, stream=req.stream, rid=rid, logprob=lp)
+    streams = [manager.generate(ids, p, stream=req.stream, rid=rid, logprob=lp,
+                                dp_rank=req.dp_rank)
                for ids, p, rid, lp in zip(req.prompts, req.params, req.rids, req.logprob)]
     streams = [s for i in range(0, len(streams), req.n) for s in share_prompt(
         streams[i:i + req.n])]

@@ -101,6 +101,7 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    data_parallel_rank: int | None = Field(None, ge=0)  # SGLang's: send it to that replica
 
 
 class CompletionRequest(_SamplingFields):
@@ -338,7 +339,8 @@ class OpenAIServing:
         model = resolve_model(req, self.model_names)
         streams = [s for ids, choices in zip(prepared.prompts, prepared.params)
                    for s in share_prompt([self.manager.generate(
-                       ids, p, stream=req.stream, logprob=prepared.logprob) for p in choices])]
+                       ids, p, stream=req.stream, logprob=prepared.logprob,
+                       dp_rank=req.data_parallel_rank) for p in choices])]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         shape = ChoiceShape(chat, TokenText(self.manager.tokenizer), prepared.logprob,

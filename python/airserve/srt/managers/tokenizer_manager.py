@@ -1,9 +1,11 @@
-"""The HTTP process's half of the engine: tokenizer, scheduler process, per-request streams.
+"""The HTTP process's half of the engine: tokenizer, scheduler processes, per-request streams.
 
-Like SGLang's TokenizerManager: prompts are tokenized here, sent to the scheduler process
+Like SGLang's TokenizerManager: prompts are tokenized here, sent to a scheduler process
 (`scheduler_process.py`, which owns the model), and the per-step deltas that come back are
-folded into one state per request that an HTTP handler awaits. Two threads move messages
-between the event loop and the pipes, so the loop never blocks on the scheduler.
+folded into one state per request that an HTTP handler awaits. With `--dp-size N` there are N
+scheduler processes (`data_parallel.py`); each request goes to the least loaded one. Two
+threads per scheduler move messages between the event loop and its pipes, so the loop never
+blocks on a scheduler.
 """
 
 from __future__ import annotations
@@ -11,26 +13,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from airserve.srt.managers import io_struct as io
-from airserve.srt.managers.scheduler_process import run_scheduler_process
+from airserve.srt.managers.data_parallel import OpenReq, Replica, check_threads, pick_replica
 from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
 from airserve.srt.server_args import ServerArgs
 from airserve.srt.tokenizer import Tokenizer, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# The HTTP process exits with this code when its scheduler process dies (README: "Failures"),
+# The HTTP process exits with this code when a scheduler process dies (README: "Failures"),
 # after giving the in-flight requests' error answers this long to go out.
 SCHEDULER_DIED_EXIT_CODE = 1
 EXIT_GRACE_S = 1.0
@@ -80,6 +79,7 @@ class ReqOutput:
 class _ReqState:
     rid: str
     prompt_tokens: int
+    replica: Replica  # the scheduler process that owns it
     created: float = field(default_factory=time.perf_counter)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -106,55 +106,38 @@ class TokenizerManager:
         self.server_args = server_args
         self.metrics = metrics  # airserve.srt.metrics.ServerMetrics or None
         self.tokenizer: Tokenizer | None = None
-        self.info: dict = {}  # from the scheduler's "ready" message
-        self.stats: dict = {}  # the latest scheduler stats snapshot
+        self.info: dict = {}  # from replica 0's "ready" message
         self.ready = False  # set by the server after warm-up
-        self.dead: str | None = None  # why the scheduler process is gone
+        self.dead: str | None = None  # why a scheduler process is gone
         self.shutting_down = False
+        self.replicas = [Replica(rank, server_args) for rank in range(server_args.dp_size)]
         self._states: dict[str, _ReqState] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
-        self._fatal: str | None = None
-        self._proc = None
-        self._outbox: queue.Queue = queue.Queue()
+        self._next_replica = itertools.count()  # where pick_replica starts looking
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # Life cycle.
     async def start(self) -> None:
-        """Spawn the scheduler process, load the tokenizer meanwhile, wait until it is ready."""
+        """Spawn the scheduler processes, load the tokenizer meanwhile, wait until every one
+        is ready."""
         from airserve.srt.model_loader.loader import resolve_model_path
 
-        resolve_model_path(self.server_args.model_path)  # fail fast, before spawning anything
-        self._loop = loop = asyncio.get_running_loop()
-        ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
-        req_recv, self._req_send = ctx.Pipe(duplex=False)
-        self._out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_scheduler_process, name="airserve-scheduler",
-                                 args=(self.server_args, req_recv, out_send, os.getpid()))
-        self._proc.start()
-        req_recv.close()
-        out_send.close()
-        threading.Thread(target=self._send_loop, name="airserve-send", daemon=True).start()
         args = self.server_args
+        resolve_model_path(args.model_path)  # fail fast, before spawning anything
+        warning = check_threads(args.dp_size, args.num_threads, os.cpu_count())
+        if warning:
+            logger.warning("%s", warning)
+        self._loop = loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            replica.start()
         self.tokenizer = await loop.run_in_executor(
             None, get_tokenizer, args.tokenizer_path or args.model_path)
-        self.info = await loop.run_in_executor(None, self._wait_ready)
-        threading.Thread(target=self._read_loop, name="airserve-recv", daemon=True).start()
-
-    def _wait_ready(self) -> dict:
-        while not self._out_recv.poll(0.5):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the scheduler process exited (code {self._proc.exitcode}) "
-                                   "while loading the model; see its log above")
-        try:
-            msg = self._out_recv.recv()
-        except EOFError:
-            self._proc.join(1.0)
-            raise RuntimeError(f"the scheduler process exited (code {self._proc.exitcode}) "
-                               "while loading the model; see its log above") from None
-        if not isinstance(msg, io.SchedulerReady):
-            raise RuntimeError(f"loading the model failed: {getattr(msg, 'message', msg)}")
-        return msg.info
+        for replica in self.replicas:
+            await loop.run_in_executor(None, replica.wait_ready)
+        self.info = self.replicas[0].info
+        for replica in self.replicas:
+            replica.start_reading(self._post_message, self._post_dead)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every open one (their streams close)."""
@@ -163,30 +146,23 @@ class TokenizerManager:
             self._fail(state, RequestError(503, "the server is shutting down"))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the scheduler process (politely, then by force) and wait for it."""
+        """Stop the scheduler processes (politely, then by force) and wait for them."""
         self.shutting_down = True
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.is_alive() and self.info:
-            self._outbox.put(io.ShutdownReq())
-            self._outbox.put(None)
-            proc.join(timeout)
-        elif proc.is_alive():  # still loading the model: nothing to finish politely
-            timeout = 0
-        if proc.is_alive():
-            if timeout:
-                logger.warning("the scheduler process did not stop in %.0fs; terminating it",
-                               timeout)
-            proc.terminate()
-            proc.join(2)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        for replica in self.replicas:
+            replica.close(timeout)
 
     @property
-    def scheduler_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def stats(self) -> dict:
+        """Replica 0's latest stats snapshot (`replica_stats()` has every replica's)."""
+        return self.replicas[0].stats
+
+    def replica_stats(self) -> list[dict]:
+        return [replica.stats for replica in self.replicas]
+
+    def load_report(self) -> list[dict]:
+        """Per replica: the dispatcher's queued tokens and open requests, the scheduler's
+        running/waiting counts, KV use and cache hit rate (latest snapshot)."""
+        return [replica.report() for replica in self.replicas]
 
     def unhealthy_reason(self) -> str | None:
         if self.dead:
@@ -200,18 +176,24 @@ class TokenizerManager:
     # Requests.
     async def generate(self, input_ids: list[int], sampling_params: dict, stream: bool = False,
                        rid: str | None = None,
-                       logprob: LogprobParams | None = None) -> AsyncIterator[ReqOutput]:
+                       logprob: LogprobParams | None = None,
+                       dp_rank: int | None = None) -> AsyncIterator[ReqOutput]:
         """Yields the request's cumulative output after each step that changed it; the last one
         is finished. Raises RequestError when the scheduler rejects or loses it. Closing the
-        iterator early aborts the request (its KV pages are freed)."""
+        iterator early aborts the request (its KV pages are freed). `dp_rank` sends it to that
+        replica (SGLang's `data_parallel_rank`); by default it goes to the least loaded one."""
         self._check_available()
         rid = rid or uuid.uuid4().hex
         if rid in self._states:
             raise RequestError(400, f"rid {rid!r} is already in use")
-        state = _ReqState(rid, len(input_ids))
+        replica = self._replica_for(dp_rank)
+        state = _ReqState(rid, len(input_ids), replica)
         self._states[rid] = state
-        self._outbox.put(io.GenerateReqInput(rid, list(input_ids), sampling_params, stream,
-                                             logprob))
+        replica.open_reqs[rid] = OpenReq(len(input_ids), self._max_new_tokens(
+            sampling_params, len(input_ids)))
+        replica.dispatched += 1
+        replica.send(io.GenerateReqInput(rid, list(input_ids), sampling_params, stream,
+                                            logprob))
         try:
             while True:
                 await state.event.wait()
@@ -225,21 +207,42 @@ class TokenizerManager:
                         return
         finally:
             self._states.pop(rid, None)
+            replica.open_reqs.pop(rid, None)
             if state.finished_reason is None and state.error is None and not self.dead:
-                self._outbox.put(io.AbortReq(rid))
+                replica.send(io.AbortReq(rid))
 
-    async def call(self, name: str, timeout: float = 10.0) -> tuple[bool, object]:
-        """Ask the scheduler process something (`name`: server_info, flush_cache)."""
+    def _replica_for(self, dp_rank: int | None) -> Replica:
+        if dp_rank is None:
+            return pick_replica(self.replicas, next(self._next_replica) % len(self.replicas))
+        if not 0 <= dp_rank < len(self.replicas):
+            raise RequestError(400, f"data_parallel_rank: {dp_rank} is not a replica of this "
+                                    f"server (--dp-size {len(self.replicas)}: 0.."
+                                    f"{len(self.replicas) - 1})")
+        return self.replicas[dp_rank]
+
+    def _max_new_tokens(self, sampling_params: dict, prompt_tokens: int) -> int:
+        """What the request may produce at most, for the dispatcher's count."""
+        asked = sampling_params.get("max_new_tokens")
+        room = max(self.info.get("context_length", 0) - prompt_tokens, 0)
+        return room if asked is None else min(asked, room)
+
+    async def call(self, name: str, timeout: float = 10.0) -> list[tuple[bool, object]]:
+        """Ask every scheduler process something (`name`: server_info, flush_cache); one
+        (ok, payload) per replica, in rank order."""
         self._check_available()
+        return list(await asyncio.gather(*(self._call_one(replica, name, timeout)
+                                           for replica in self.replicas)))
+
+    async def _call_one(self, replica: Replica, name: str, timeout: float) -> tuple[bool, object]:
         token = next(self._tokens)
         future = self._loop.create_future()
         self._calls[token] = future
         kinds = {"server_info": io.ServerInfoReq, "flush_cache": io.FlushCacheReq}
-        self._outbox.put(kinds[name](token))
+        replica.send(kinds[name](token))
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise RequestError(503, f"the scheduler did not answer {name} within "
+            raise RequestError(503, f"{replica.name} did not answer {name} within "
                                     f"{timeout:.0f}s") from None
         finally:
             self._calls.pop(token, None)
@@ -250,32 +253,43 @@ class TokenizerManager:
         if self.shutting_down:
             raise RequestError(503, "the server is shutting down")
 
-    # Messages from the scheduler process (on the event loop).
-    def _on_message(self, msg: object) -> None:
+    # Messages from the scheduler processes (read on their threads, handled on the loop).
+    def _post_message(self, replica: Replica, msg: object) -> None:
+        self._loop.call_soon_threadsafe(self._on_message, replica, msg)
+
+    def _post_dead(self, replica: Replica, exitcode: int | None) -> None:
+        self._loop.call_soon_threadsafe(self._on_dead, replica, exitcode)
+
+    def _on_message(self, replica: Replica, msg: object) -> None:
         if isinstance(msg, io.BatchOutput):
-            self._on_outputs(msg.deltas)
+            self._on_outputs(replica, msg.deltas)
             for error in msg.errors:
                 state = self._states.get(error.rid)
                 if state is not None:
                     self._fail(state, RequestError(error.status, error.message))
             if msg.stats is not None:
-                self.stats = msg.stats
+                replica.stats = msg.stats
         elif isinstance(msg, io.CallReply):
             future = self._calls.get(msg.token)
             if future is not None and not future.done():
                 future.set_result((msg.ok, msg.payload))
         elif isinstance(msg, io.SchedulerFatal):
-            self._fatal = msg.message
+            replica.fatal = msg.message
         else:
-            logger.error("unknown message %r from the scheduler ignored", type(msg).__name__)
+            logger.error("unknown message %r from %s ignored", type(msg).__name__, replica.name)
 
-    def _on_outputs(self, deltas: list[io.ReqDelta]) -> None:
+    def _on_outputs(self, replica: Replica, deltas: list[io.ReqDelta]) -> None:
         now = time.perf_counter()
         for delta in deltas:
             new_ids, finished_reason = delta.new_output_ids, delta.finished_reason
             state = self._states.get(delta.rid)
             if state is None:  # aborted here already
                 continue
+            counted = replica.open_reqs.get(delta.rid)
+            if counted is not None:
+                counted.output_tokens += len(new_ids)
+                if finished_reason is not None:
+                    del replica.open_reqs[delta.rid]
             if new_ids and self.metrics is not None:
                 if state.last_token_time is None:
                     self.metrics.observe_ttft(now - state.created)
@@ -298,12 +312,16 @@ class TokenizerManager:
             state.pending.append(state.snapshot())
             state.event.set()
 
-    def _on_dead(self, exitcode: int | None) -> None:
-        if self.shutting_down and self._fatal is None:
+    def _on_dead(self, replica: Replica, exitcode: int | None) -> None:
+        if self.dead is not None:  # another replica went first; its message stands
+            return
+        if self.shutting_down and replica.fatal is None:
             self.dead = "the server is shutting down"
         else:
-            self.dead = (self._fatal or f"the scheduler process died ({_exit_text(exitcode)})") \
-                + "; restart the server"
+            reason = replica.fatal or f"{replica.name} died ({_exit_text(exitcode)})"
+            if replica.fatal and len(self.replicas) > 1:
+                reason = f"data-parallel replica {replica.rank}: {reason}"
+            self.dead = reason + "; restart the server"
         for state in list(self._states.values()):
             self._fail(state, RequestError(500, self.dead))
         for future in self._calls.values():
@@ -323,35 +341,6 @@ class TokenizerManager:
         if state.error is None and state.finished_reason is None:
             state.error = error
             state.event.set()
-
-    # The two pipe threads.
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = self._out_recv.recv()
-                self._loop.call_soon_threadsafe(self._on_message, msg)
-        except (EOFError, OSError):
-            pass
-        except RuntimeError:  # the event loop is closed: the server is gone already
-            return
-        proc = self._proc
-        if proc is not None:
-            proc.join(1.0)
-        exitcode = proc.exitcode if proc is not None else None
-        try:
-            self._loop.call_soon_threadsafe(self._on_dead, exitcode)
-        except RuntimeError:
-            pass
-
-    def _send_loop(self) -> None:
-        while True:
-            msg = self._outbox.get()
-            if msg is None:
-                return
-            try:
-                self._req_send.send(msg)
-            except OSError:  # the scheduler is gone; the read loop reports it
-                return
 
 
 def _exit_text(exitcode: int | None) -> str:
