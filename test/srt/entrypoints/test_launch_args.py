@@ -52,8 +52,8 @@ def test_abbreviations_are_not_accepted(capsys):
 
 
 def test_unsupported_sglang_flags_are_named(capsys):
-    err = refused(["--tp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
-    assert "--tp-size 2: tensor parallelism is not supported" in err
+    err = refused(["--pp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
+    assert "--pp-size 2: pipeline parallelism is not supported" in err
     assert "--enable-lora: LoRA" in err
     assert "--kv-cache-dtype fp8_e5m2" in err
 
