@@ -42,7 +42,7 @@ class TPGroup:
             return x
         from torch.distributed import _functional_collectives as funcol
 
-        out = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, self._group()))
+        out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, self._group()))
         # [size * rows, cols] -> [rows, size * cols]
         return torch.cat(out.chunk(self.size, dim=0), dim=-1)
 

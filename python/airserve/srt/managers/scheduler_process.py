@@ -87,6 +87,9 @@ class SchedulerLoop:
             "max_running_requests": runner.max_running_requests,
             "runner": type(graph).__name__ if graph is not None else "eager",
             "pid": os.getpid(),
+            "tp_size": runner.tp.size,
+            # This machine's other tensor-parallel ranks (rank 0 is this process).
+            "tp_rank_pids": [p.pid for p in runner.tp_procs],
         }
 
     # The loop.
