@@ -92,3 +92,13 @@ def test_tp2_server_greedy_ids_and_rank_death(tiny_packed_gguf) -> None:
         assert "tensor parallel rank process airserve-tp1" in log and "exited with code -9" in log
     finally:
         srv.stop()
+
+
+def test_openvino_runner_refuses_tp(tiny_packed_gguf) -> None:
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=tiny_packed_gguf, tp_size=2, enable_torch_compile=True,
+                      torch_compile_backend="openvino")
+    with pytest.raises(ValueError, match="OpenVINO graph runner"):
+        ModelRunner(args)

@@ -155,8 +155,10 @@ def run_tp_rank(args: ServerArgs, rank: int) -> None:
             if msg == STOP:
                 break
             runner.forward_local(rebuild(runner, msg))
-    except Exception:  # noqa: BLE001
-        logger.error("tensor parallel rank %d stops: %s", rank, traceback.format_exc())
+    except Exception as e:  # noqa: BLE001 - rank 0 went away, or a forward failed here
+        logger.error("tensor parallel rank %d stops (rank 0 went away or a forward pass "
+                     "failed): %s: %s", rank, type(e).__name__, e)
+        logger.debug("%s", traceback.format_exc())
         raise SystemExit(1) from None
     logger.info("tensor parallel rank %d stops (rank 0 said stop)", rank)
 
