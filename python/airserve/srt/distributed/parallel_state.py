@@ -67,8 +67,11 @@ def init_tp_group(device: str, rank: int, size: int, init_method: str,
     if backend is None:
         raise ValueError(f"--tp-size {size} on device {device!r}: no torch.distributed backend "
                          f"(known: {', '.join(f'{d}: {b}' for d, b in BACKENDS.items())})")
+    # One device per rank on each machine (ranks are numbered machine by machine).
     if backend == "hccl":
-        import torch_npu  # noqa: F401 - registers the hccl backend
+        import torch_npu  # noqa: F401 - registers the hccl backend and torch.npu
+
+        torch.npu.set_device(rank % max(1, torch.npu.device_count()))
     if backend == "nccl":
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

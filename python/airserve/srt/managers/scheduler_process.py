@@ -48,6 +48,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_conn: Connection, send_c
     send_conn.send(io.SchedulerReady(loop.model_info()))
     try:
         loop.run()
+        core.model_runner.shutdown()  # stops tensor-parallel ranks, if any
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the HTTP process went away; the scheduler exits")
     except Exception as e:  # noqa: BLE001

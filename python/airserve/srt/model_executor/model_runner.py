@@ -23,6 +23,7 @@ from airserve.srt.mem_cache.memory_pool import (
 from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 from airserve.srt.model_executor.graph_runners.registry import create_graph_runner
 from airserve.srt.model_executor.tp_worker import (
+    STOP,
     ControlChannel,
     TensorParallelError,
     check_ranks,
@@ -188,6 +189,23 @@ class ModelRunner:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_control.group)
         return int(t.item())
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other ranks to stop, wait for this machine's, leave the group."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        import torch.distributed as dist
+
+        try:
+            self.tp_control.send(STOP)
+        except Exception as e:  # noqa: BLE001 - a rank already gone cannot be told
+            logger.warning("could not tell the tensor parallel ranks to stop: %s", e)
+        for proc in self.tp_procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+        dist.destroy_process_group()
+        self.tp = SINGLE
 
     def check_tp_ranks(self) -> None:
         """Raise TensorParallelError if one of this machine's other ranks has exited."""

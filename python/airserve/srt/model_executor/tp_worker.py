@@ -161,6 +161,9 @@ def run_tp_rank(args: ServerArgs, rank: int) -> None:
         logger.debug("%s", traceback.format_exc())
         raise SystemExit(1) from None
     logger.info("tensor parallel rank %d stops (rank 0 said stop)", rank)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
 
 def run_node_ranks(args: ServerArgs) -> int:
