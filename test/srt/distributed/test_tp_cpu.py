@@ -33,6 +33,12 @@ def tiny_packed_gguf(tmp_path_factory) -> str:
 
 
 def _decode(model: str, tp: int, tmp_path, compile_: bool = False) -> dict:
+    if tp == 1 and not compile_:  # no process group: in this process
+        from airserve.srt.model_executor.model_runner import ModelRunner
+        from airserve_testing.tp_decode import decode_logits, runner_args
+
+        args = runner_args(model, 1, False).replace(num_threads=None)  # keep torch's threads
+        return {"logits": decode_logits(ModelRunner(args))}
     out = str(tmp_path / f"tp{tp}{'c' if compile_ else ''}.pt")
     cmd = [sys.executable, "-m", "airserve_testing.tp_decode", model, str(tp), out]
     proc = subprocess.run(cmd + (["--compile"] if compile_ else []), capture_output=True,
