@@ -18,14 +18,9 @@ from airserve.srt.server_args import ServerArgs
 # SGLang flag -> (values that match what airserve does anyway, why else it is refused).
 # An empty tuple of values means any use is refused. Flags given a matching value are no-ops.
 SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
-    "--tp-size": ((1,), "tensor parallelism is not supported; airserve runs on one device"),
-    "--tensor-parallel-size": ((1,), "tensor parallelism is not supported"),
     "--pp-size": ((1,), "pipeline parallelism is not supported"),
     "--pipeline-parallel-size": ((1,), "pipeline parallelism is not supported"),
     "--ep-size": ((1,), "expert parallelism is not supported"),
-    "--nnodes": ((1,), "multi-node serving is not supported"),
-    "--node-rank": ((0,), "multi-node serving is not supported"),
-    "--dist-init-addr": ((), "multi-node serving is not supported"),
     "--enable-dp-attention": ((), "data-parallel attention is not supported"),
     "--quantization": ((), "quantized weights are dequantized at load (GGUF); there is no "
                            "runtime quantization"),
@@ -100,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "debug":
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    if args.node_rank > 0:  # this machine only holds tensor-parallel ranks: no HTTP server
+        from airserve.srt.model_executor.tp_worker import run_node_ranks
+
+        return run_node_ranks(args)
     from airserve.srt.entrypoints.http_server import launch_server
 
     return launch_server(args)

@@ -74,6 +74,16 @@ class ServerArgs:
     # default Q4_1 model; test/srt/layers/test_fidelity.py ties the default to the check).
     cpu_decode_activations: str = "float32"
 
+    # Tensor parallelism (SGLang's flags): tp_size ranks, one process each, over nnodes
+    # machines (tp_size / nnodes ranks per machine); rank 0 schedules. dist_init_addr
+    # (host:port, reachable by every rank) is needed with nnodes > 1. A collective that waits
+    # longer than dist_timeout seconds fails the server instead of hanging it.
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 300
+
     # Graph runners.
     enable_torch_compile: bool = False
     torch_compile_backend: str | None = None  # None: per device, see DEFAULT_COMPILE_BACKEND
@@ -177,6 +187,27 @@ class ServerArgs:
             raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         check_page_size(self.resolved_attention_backend, self.resolved_page_size)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "nnodes", "dist_timeout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be a positive integer")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes="
+                             f"{self.nnodes} (each machine runs tp_size / nnodes ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank}: must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, "
+                             "reachable by every machine)")
+        if self.dist_init_addr is not None and ":" not in self.dist_init_addr:
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: expected HOST:PORT")
+        if self.dp_size > 1 and self.tp_size > 1:
+            # Each replica's ranks would need their own rendezvous address; not built yet.
+            raise ValueError(f"dp_size={self.dp_size} with tp_size={self.tp_size} is not "
+                             "supported yet: use one of them, or run several servers behind "
+                             "SGLang's router")
 
     # Derived values.
     @property
@@ -298,6 +329,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.cpu_decode_activations,
                    help="activations of the packed decode products: int8 (integer dot "
                         "products, VNNI where the CPU has it) or float32 (exact)")
+
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
+                   default=d.tp_size, help="ranks the model is split over (one process each)")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the ranks span")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this machine's index (0 runs the HTTP server and the scheduler)")
+    g.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                   help="HOST:PORT of node 0 for torch.distributed (needed with --nnodes > 1)")
+    g.add_argument("--dist-timeout", type=int, default=d.dist_timeout,
+                   help="seconds a collective may wait before the server fails")
 
     g = parser.add_argument_group("graph runners")
     g.add_argument("--enable-torch-compile", action="store_true")

@@ -52,8 +52,8 @@ def test_abbreviations_are_not_accepted(capsys):
 
 
 def test_unsupported_sglang_flags_are_named(capsys):
-    err = refused(["--tp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
-    assert "--tp-size 2: tensor parallelism is not supported" in err
+    err = refused(["--pp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
+    assert "--pp-size 2: pipeline parallelism is not supported" in err
     assert "--enable-lora: LoRA" in err
     assert "--kv-cache-dtype fp8_e5m2" in err
 
@@ -63,3 +63,21 @@ def test_bad_values_name_the_flag(capsys):
     assert "--device" in refused(["--device", "tpu"], capsys)
     assert "chunked_prefill_size=0" in refused(["--chunked-prefill-size", "0"], capsys)
     assert "--schedule-policy" in refused(["--schedule-policy", "lifo"], capsys)
+
+
+def test_tensor_parallel_flags(capsys):
+    args = parse_args(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1",
+                       "--dist-init-addr", "10.0.0.1:5000", "--dist-timeout", "60"])
+    assert (args.tp_size, args.nnodes, args.node_rank) == (4, 2, 1)
+    assert args.dist_init_addr == "10.0.0.1:5000" and args.dist_timeout == 60
+    assert parse_args(["--tensor-parallel-size", "2"]).tp_size == 2
+    for argv, why in ((["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"],
+                       "multiple of nnodes"),
+                      (["--tp-size", "2", "--nnodes", "2"], "--dist-init-addr"),
+                      (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2",
+                        "--dist-init-addr", "h:1"], "node_rank=2"),
+                      (["--tp-size", "2", "--dist-init-addr", "nohost"], "HOST:PORT"),
+                      (["--tp-size", "2", "--dp-size", "2"], "not supported yet")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert why in capsys.readouterr().err

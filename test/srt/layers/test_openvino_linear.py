@@ -151,37 +151,46 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_projections_of_one_kind_merge_into_one_layer(bias) -> None:
-    """q/k/v and gate/up with blocks of one kind become one OpenVINOLinear each (columns in
-    the order the model splits them); a block of another kind keeps its layers separate."""
+def test_merged_projections_become_one_compressed_layer(bias) -> None:
+    """The model's merged q/k/v and gate/up layers become one OpenVINOLinear when their blocks
+    share a kind, and a ConcatLinear of one per segment when they do not; both equal the
+    layer's own product."""
     from airserve.srt.configs import ModelConfig
+    from airserve.srt.layers.quant.openvino_linear import ConcatLinear
     from airserve.srt.models.llama import MLP, Attention
     from airserve_testing.tiny_models import tiny_config
 
     cfg = ModelConfig.from_hf_dict(dict(tiny_config("llama", 64), attention_bias=bias))
     attn, mlp = Attention(cfg, 0), MLP(cfg)
-    for i, layer in enumerate([attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
-                               mlp.up_proj, mlp.down_proj]):
-        packed = random_packed("q4_1", layer.out_features, layer.in_features, seed=i)
+
+    def give_blocks(layer, kinds, seed):
+        sizes = [s.size for s in getattr(layer, "shards", [])] or [layer.out_features]
+        parts = [random_packed(k, n, layer.in_features, seed=seed + i)
+                 for i, (k, n) in enumerate(zip(kinds, sizes))]
         with torch.no_grad():
-            layer.weight.copy_(packed.dequantize())
+            layer.weight.copy_(torch.cat([p.dequantize() for p in parts]))
             if layer.bias is not None:
                 layer.bias.normal_()
-        layer.attach_packed(packed, 0)
+        layer.attach_packed(parts, 0)
+
+    give_blocks(attn.qkv_proj, ["q4_1"] * 3, 0)
+    give_blocks(mlp.gate_up_proj, ["q4_1"] * 2, 3)
+    give_blocks(mlp.down_proj, ["q4_1"], 5)
     block = nn.ModuleDict({"attn": attn, "mlp": mlp})
     clone, replaced = with_openvino_linears(block)
-    assert replaced == 6
-    assert isinstance(clone.attn.qkv_proj, OpenVINOLinear) and attn.qkv_proj is None
+    assert replaced == 3 and attn.qkv_proj.packed_kinds == ("q4_1",)  # the original is kept
+    assert isinstance(clone.attn.qkv_proj, OpenVINOLinear)
     assert isinstance(clone.mlp.gate_up_proj, OpenVINOLinear)
     assert isinstance(clone.mlp.down_proj, OpenVINOLinear)
     x = torch.randn(3, cfg.hidden_size)
     with torch.no_grad():
-        qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-        assert_close_to(clone.attn.qkv_proj(x), qkv)
+        assert_close_to(clone.attn.qkv_proj(x), attn.qkv_proj(x))
         assert_close_to(clone.mlp(x), mlp(x))
-    # v_proj of another block kind: q/k/v stay three layers.
-    attn.v_proj.attach_packed(random_packed("q8_0", attn.v_proj.out_features,
-                                            attn.v_proj.in_features), 0)
+    # v of another block kind: q/k stay one segment, v a second.
+    give_blocks(attn.qkv_proj, ["q4_1", "q4_1", "q8_0"], 7)
+    assert attn.qkv_proj.packed_kinds == ("q4_1", "q8_0")
     clone, replaced = with_openvino_linears(block)
-    assert clone.attn.qkv_proj is None and isinstance(clone.attn.v_proj, OpenVINOLinear)
-    assert replaced == 6
+    assert isinstance(clone.attn.qkv_proj, ConcatLinear) and len(clone.attn.qkv_proj.parts) == 2
+    assert replaced == 3
+    with torch.no_grad():
+        assert_close_to(clone.attn.qkv_proj(x), attn.qkv_proj(x))

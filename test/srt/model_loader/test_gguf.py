@@ -347,12 +347,18 @@ def test_packed_decode_matches_float32_weights(tmp_path) -> None:
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
     packed = ModelRunner(base.replace(packed_decode_max_bs=2))
     layers = [m for m in packed.model.modules() if isinstance(m, Linear)]
-    assert len(layers) == 15 and all(m.packed is not None for m in layers)  # 2 x 7 + lm_head
-    assert not any(m.packed is not None for m in plain.model.modules() if isinstance(m, Linear))
+    # 2 x (qkv, o, gate_up, down) + lm_head; q/k (Q4_1, Q4_0 carried as Q4_1) merge into one
+    # block segment, v (Q8_0) is a second segment of the merged qkv layer.
+    assert len(layers) == 9 and all(m.packed_kinds for m in layers)
+    assert all(la.self_attn.qkv_proj.packed_kinds == ("q4_1", "q8_0")
+               and la.mlp.gate_up_proj.packed_kinds == ("q4_1",)
+               for la in packed.model.model.layers)
+    assert not any(m.packed_kinds for m in plain.model.modules() if isinstance(m, Linear))
     assert packed.model.decode_weight_bytes(2) < plain.model.decode_weight_bytes(2) / 3
     assert packed.model.decode_weight_bytes(3) == plain.model.decode_weight_bytes(3)
     report = packed.kernels_report()  # what /get_server_info shows as "decode_kernels"
-    assert report["packed_layers"] == {"q4_1": 12, "q8_0": 3}  # v_proj x 2 + tied lm_head
+    # block segments: v x 2 + tied lm_head in Q8_0, the rest Q4_1
+    assert report["packed_layers"] == {"q4_1": 8, "q8_0": 3}
     assert report["packed_decode_max_bs"] == 2 and plain.kernels_report()["packed_layers"] == {}
 
     g = torch.Generator().manual_seed(0)

@@ -65,10 +65,11 @@ def test_loader_keeps_k_quants_as_blocks_only(kquant_file: str) -> None:
 
     _, model = load_model(kquant_file, "auto", "cpu", packed_decode_max_bs=4)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    kinds = {n.rsplit(".", 1)[-1]: m.packed_kind for n, m in layers.items()}
-    assert kinds == {"q_proj": "q4_k", "k_proj": "q5_k", "v_proj": "q6_k", "o_proj": "q5_0",
-                     "gate_proj": "q4_k", "up_proj": "q5_1", "down_proj": "q6_k",
-                     "lm_head": "q8_0"}
+    kinds = {n.rsplit(".", 1)[-1]: m.packed_kinds for n, m in layers.items()}
+    # Merged layers hold one block segment per kind, in output-row order.
+    assert kinds == {"qkv_proj": ("q4_k", "q5_k", "q6_k"), "o_proj": ("q5_0",),
+                     "gate_up_proj": ("q4_k", "q5_1"), "down_proj": ("q6_k",),
+                     "lm_head": ("q8_0",)}
     for name, m in layers.items():  # only the tied lm_head (the embedding) has float32 values
         assert (m.weight is None) == (name != "lm_head"), name
     float_bytes = sum(p.numel() * 4 for p in model.parameters())

@@ -131,6 +131,8 @@ class Engine:
         return self.core.get_server_info()
 
     def shutdown(self) -> None:
+        if not self._closed:
+            self.model_runner.shutdown()  # stops tensor-parallel ranks, if any
         self._closed = True
 
     def __enter__(self) -> Engine:

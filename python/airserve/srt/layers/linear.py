@@ -3,6 +3,8 @@ that small batches (decode) multiply with directly."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,18 +22,26 @@ DEQUANT_CHUNK_VALUES = 1 << 22
 
 
 class Linear(nn.Linear):
+    """nn.Linear plus, optionally, its weight as GGML blocks. The blocks may come in segments of
+    output rows of different kinds (a merged q/k/v whose v is stored with more bits): each
+    segment is one product, their outputs side by side."""
+
     packed_max_rows: int = 0  # inputs of at most this many rows use the packed weight
-    packed_kind: str = ""
+    packed_kinds: tuple[str, ...] = ()  # block kind of each segment, in output-row order
     packed_activations: str = "float32"  # or "int8": see block_matvec.block_matmul
 
-    def attach_packed(self, packed: PackedWeight, max_rows: int, activations: str = "float32",
-                      drop_weight: bool = False) -> None:
-        """Keep `packed` (the same values as `self.weight`) for inputs of <= max_rows rows;
-        max_rows 0 keeps the blocks for other users (OpenVINO graphs) and multiplies with the
-        float weight. `drop_weight` frees the float weight: larger inputs then multiply with the
-        blocks dequantized a chunk of output rows at a time."""
-        if tuple(packed.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"packed weight {packed.shape} does not match "
+    def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
+                      activations: str = "float32", drop_weight: bool = False) -> None:
+        """Keep `packed` (the same values as `self.weight`; a list: its parts stacked along the
+        output rows) for inputs of <= max_rows rows; max_rows 0 keeps the blocks for other users
+        (OpenVINO graphs) and multiplies with the float weight. `drop_weight` frees the float
+        weight: larger inputs then multiply with the blocks dequantized a chunk of output rows
+        at a time."""
+        parts = merge_runs([packed] if isinstance(packed, PackedWeight) else list(packed))
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        if shape != (self.out_features, self.in_features) or any(
+                p.shape[1] != self.in_features for p in parts):
+            raise ValueError(f"packed weight {shape} does not match "
                              f"{(self.out_features, self.in_features)}")
         if not 0 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows={max_rows}: must be in 0..{MAX_ROWS}")
@@ -39,33 +49,47 @@ class Linear(nn.Linear):
             raise ValueError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
         if drop_weight and not max_rows:
             raise ValueError("drop_weight needs max_rows > 0 (the packed kernels)")
-        self.register_buffer("packed_qs", packed.qs, persistent=False)
-        self.register_buffer("packed_d", packed.d, persistent=False)
-        self.register_buffer("packed_m", packed.m, persistent=False)
-        self.packed_kind = packed.kind
+        for i, part in enumerate(parts):
+            for field in ("qs", "d", "m"):
+                self.register_buffer(_buffer(field, i), getattr(part, field), persistent=False)
+        self.packed_kinds = tuple(p.kind for p in parts)
         self.packed_max_rows = max_rows
         self.packed_activations = activations
         if drop_weight:
             self.register_parameter("weight", None)
 
     @property
+    def packed_kind(self) -> str:
+        """The block kind ("" without blocks; kinds joined by "+" for mixed segments)."""
+        return "+".join(self.packed_kinds)
+
+    @property
+    def packed_parts(self) -> list[PackedWeight]:
+        """The block segments, in output-row order (empty without blocks)."""
+        return [PackedWeight(kind, *self._segment(i)) for i, kind in enumerate(self.packed_kinds)]
+
+    @property
     def packed(self) -> PackedWeight | None:
-        if not self.packed_kind:
-            return None
-        return PackedWeight(self.packed_kind, self.packed_qs, self.packed_d, self.packed_m)
+        """The blocks as one weight, when they are of one kind (else None)."""
+        parts = self.packed_parts
+        return parts[0] if len(parts) == 1 else None
+
+    def _segment(self, i: int) -> tuple:
+        return tuple(getattr(self, _buffer(field, i)) for field in ("qs", "d", "m"))
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product with `rows` input rows reads (blocks or float32)."""
-        packed = self.packed
-        if packed is not None and (rows <= self.packed_max_rows or self.weight is None):
-            return packed.nbytes
+        if self.packed_kinds and (rows <= self.packed_max_rows or self.weight is None):
+            return sum(p.nbytes for p in self.packed_parts)
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The row count is static inside a captured graph, so this branch is decided at capture.
         if 0 < x.shape[0] <= self.packed_max_rows and x.dim() == 2:
-            out = block_matmul(x.contiguous(), self.packed_kind, self.packed_qs, self.packed_d,
-                               self.packed_m, self.packed_activations)
+            x = x.contiguous()
+            outs = [block_matmul(x, kind, *self._segment(i), self.packed_activations)
+                    for i, kind in enumerate(self.packed_kinds)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             return out if self.bias is None else out + self.bias
         if self.weight is None:
             return self._dequantized_linear(x)
@@ -76,15 +100,39 @@ class Linear(nn.Linear):
         of the whole weight is ever held)."""
         step = max(1, DEQUANT_CHUNK_VALUES // self.in_features)
         outs = []
-        for n0 in range(0, self.out_features, step):
-            rows = slice(n0, n0 + step)
-            w = torch.ops.airserve.dequantize_blocks(
-                self.packed_kind, self.packed_qs[rows],
-                None if self.packed_d is None else self.packed_d[rows],
-                None if self.packed_m is None else self.packed_m[rows], self.in_features)
-            outs.append(F.linear(x, w.to(x.dtype)))
+        for i, kind in enumerate(self.packed_kinds):
+            qs, d, m = self._segment(i)
+            for n0 in range(0, qs.shape[0], step):
+                rows = slice(n0, n0 + step)
+                w = torch.ops.airserve.dequantize_blocks(
+                    kind, qs[rows], None if d is None else d[rows],
+                    None if m is None else m[rows], self.in_features)
+                outs.append(F.linear(x, w.to(x.dtype)))
         out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return out if self.bias is None else out + self.bias
+
+
+def _buffer(field: str, segment: int) -> str:
+    # Segment 0 keeps the names a single block weight has always had.
+    return f"packed_{field}" if segment == 0 else f"packed_{field}_{segment}"
+
+
+def merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Adjacent block weights of one kind stacked along the output rows: blocks lie along a
+    row, so stacking rows is concatenating the block arrays."""
+    runs: list[list[PackedWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].kind == part.kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+
+    def cat(ts):
+        return None if ts[0] is None else torch.cat(ts)
+
+    return [run[0] if len(run) == 1 else
+            PackedWeight(run[0].kind, cat([p.qs for p in run]), cat([p.d for p in run]),
+                         cat([p.m for p in run])) for run in runs]
 
 
 def packed_report(layers: list[Linear]) -> dict:
@@ -92,7 +140,7 @@ def packed_report(layers: list[Linear]) -> dict:
     activations they use, the int8 instruction set, and how many hold no float32 weight."""
     from airserve.srt.layers.quant.block_matvec import int8_isa
 
-    packed = [m for m in layers if m.packed_kind and m.packed_max_rows]
+    packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
     activations = sorted({m.packed_activations for m in packed})
     report = {"cpu_decode_activations": activations[0] if len(activations) == 1 else activations,
               "blocks_only_layers": sum(m.weight is None for m in packed)}

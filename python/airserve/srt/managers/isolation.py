@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.model_executor.tp_worker import TensorParallelError
 from airserve.srt.sampling.sampler import sample
 from airserve.srt.sampling.token_mask import apply_grammar_masks
 
@@ -37,6 +38,8 @@ def forward_isolated(scheduler: Scheduler, batch: ScheduledBatch) -> tuple[list[
     fb = batch.fb
     try:
         return list(range(len(batch.reqs))), scheduler.runner.forward(fb)
+    except TensorParallelError:
+        raise  # not one request's fault: the ranks are out of step and the server stops
     except Exception as e:  # noqa: BLE001 - find the culprit rows below
         if len(batch.reqs) == 1:
             scheduler.fail_request(batch.reqs[0], e, "running the model", fb.seq_lens_cpu[0])

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.validation import check_logprob, validate_request
+from airserve.srt.model_executor.tp_worker import TensorParallelError
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_conn: Connection, send_c
     send_conn.send(io.SchedulerReady(loop.model_info()))
     try:
         loop.run()
+        core.model_runner.shutdown()  # stops tensor-parallel ranks, if any
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the HTTP process went away; the scheduler exits")
     except Exception as e:  # noqa: BLE001
@@ -86,6 +88,9 @@ class SchedulerLoop:
             "max_running_requests": runner.max_running_requests,
             "runner": type(graph).__name__ if graph is not None else "eager",
             "pid": os.getpid(),
+            "tp_size": runner.tp.size,
+            # This machine's other tensor-parallel ranks (rank 0 is this process).
+            "tp_rank_pids": [p.pid for p in runner.tp_procs],
         }
 
     # The loop.
@@ -100,6 +105,8 @@ class SchedulerLoop:
                 self._send_outputs(self._step())
             elif self._stats_stale:  # idle now: the last snapshot may predate the last step
                 self._send_stats()
+            else:
+                self.runner.check_tp_ranks()  # a rank that died while idle stops the server
         for rid in list(self.reqs):
             self.scheduler.abort(rid)
 
@@ -108,6 +115,8 @@ class SchedulerLoop:
         request that is not waiting (the step may have touched them), and the loop goes on."""
         try:
             return self.scheduler.step()
+        except TensorParallelError:
+            raise  # the ranks are out of step: the server stops (run_scheduler_process)
         except Exception as e:  # noqa: BLE001 - one bad step must not end the server
             logger.error("a scheduler step failed:\n%s", traceback.format_exc())
             return self.scheduler.fail_unattributed(f"{type(e).__name__}: {e}",

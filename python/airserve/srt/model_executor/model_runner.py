@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.distributed.parallel_state import SINGLE, TPGroup, init_tp_group
+from airserve.srt.distributed.sharding import local_kv_heads
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.hardware import check_device
 from airserve.srt.layers.attention.registry import create_attention_backend
@@ -20,6 +22,15 @@ from airserve.srt.mem_cache.memory_pool import (
 )
 from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 from airserve.srt.model_executor.graph_runners.registry import create_graph_runner
+from airserve.srt.model_executor.tp_worker import (
+    STOP,
+    ControlChannel,
+    TensorParallelError,
+    check_ranks,
+    describe,
+    resolve_init_addr,
+    spawn_local_ranks,
+)
 from airserve.srt.model_loader.loader import load_model
 from airserve.srt.server_args import ServerArgs
 
@@ -35,7 +46,7 @@ DEFAULT_KV_TOKENS_PER_REQUEST = 512
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, tp_rank: int = 0) -> None:
         self.server_args = args = server_args
         self.device = args.device
         self.runner_config = RunnerConfig.from_server_args(args)  # all a graph runner reads
@@ -43,6 +54,8 @@ class ModelRunner:
         if args.num_threads is not None and self.device == "cpu":
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.random_seed)
+        self.tp_procs: list = []  # rank 0: this machine's other ranks' processes
+        self.tp = self._init_tp(tp_rank)
         if model is None:
             logger.info("loading the model from %s%s", args.model_path or "the default package",
                         " (and airserve's C++ CPU kernels: built on first use, ~15 s, cached "
@@ -51,7 +64,7 @@ class ModelRunner:
                                              args.context_length,
                                              args.resolved_packed_decode_max_bs,
                                              args.openvino_packed_weights,
-                                             args.cpu_decode_activations)
+                                             args.cpu_decode_activations, self.tp)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
@@ -69,16 +82,20 @@ class ModelRunner:
     def _init_memory(self) -> None:
         args, cfg = self.server_args, self.model_config
         page = args.resolved_page_size
-        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+        # This rank's KV heads (all of them at tp size 1).
+        kv_heads = local_kv_heads(cfg.num_key_value_heads, self.tp.size)
+        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads,
                                                   cfg.head_dim, self.dtype)
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS[self.device]
         tokens, self.kv_pool_sized_by = self._kv_pool_tokens(per_token, max_running, page)
+        if self.tp.size > 1:  # every rank holds the same slots: the smallest pool of them
+            tokens = self._tp_min(tokens)
         num_pages = -(-tokens // page) + 1  # + the reserved dummy page
         max_blocks = -(-self.context_len // page)
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, max_blocks * page, self.device)
         self.kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, page,
-                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                                     kv_heads, cfg.head_dim, self.dtype,
                                      self.device)
         self.allocator = PagedAllocator(self.req_to_token_pool, num_pages, page)
         self.kv_cache = KVCache(self.kv_pool.k_buffers, self.kv_pool.v_buffers, page)
@@ -152,9 +169,69 @@ class ModelRunner:
             logit_counts_cpu=list(logit_counts) if logit_counts is not None else None,
         )
 
+    # Tensor parallelism.
+    def _init_tp(self, rank: int) -> TPGroup:
+        """Join the tensor-parallel group (rank 0 first starts this machine's other ranks)."""
+        args = self.server_args
+        if args.tp_size == 1:
+            return SINGLE
+        if args.uses_openvino:
+            raise ValueError("--tp-size > 1 does not work with the OpenVINO graph runner (its "
+                             "graphs hold no collectives); use --torch-compile-backend inductor "
+                             "or run eager")
+        if rank == 0:
+            args = self.server_args = resolve_init_addr(args)
+            self.tp_procs = spawn_local_ranks(args)
+        tp = init_tp_group(self.device, rank, args.tp_size, f"tcp://{args.dist_init_addr}",
+                           args.dist_timeout)
+        self.tp_control = ControlChannel()
+        return tp
+
+    def _tp_min(self, value: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_control.group)
+        return int(t.item())
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other ranks to stop, wait for this machine's, leave the group."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        import torch.distributed as dist
+
+        try:
+            self.tp_control.send(STOP)
+        except Exception as e:  # noqa: BLE001 - a rank already gone cannot be told
+            logger.warning("could not tell the tensor parallel ranks to stop: %s", e)
+        for proc in self.tp_procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+        dist.destroy_process_group()
+        self.tp = SINGLE
+
+    def check_tp_ranks(self) -> None:
+        """Raise TensorParallelError if one of this machine's other ranks has exited."""
+        check_ranks(self.tp_procs)
+
     # Forward.
-    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [rows, vocab] float32 (see `forward_local`); under tensor parallelism rank 0
+        first hands the batch to the other ranks, and any failure is a TensorParallelError."""
+        if self.tp.size == 1:
+            return self.forward_local(fb)
+        check_ranks(self.tp_procs)
+        try:
+            self.tp_control.send(describe(fb, self.allocator.req_to_token))
+            return self.forward_local(fb)
+        except Exception as e:
+            raise TensorParallelError(
+                f"a tensor parallel forward pass failed ({type(e).__name__}: {e}); the ranks "
+                "are out of step, so the server stops") from e
+
+    @torch.inference_mode()
+    def forward_local(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [rows, vocab] float32: the graph runner's replay for decode when it can run
         the batch, otherwise eager (each eager decode is counted by reason)."""
         if fb.forward_mode.is_decode() and self.graph_runner is not None:
@@ -178,8 +255,9 @@ class ModelRunner:
         from airserve.srt.layers.linear import Linear, packed_report
 
         layers = [m for m in self.model.modules() if isinstance(m, Linear)]
-        packed = [m for m in layers if m.packed is not None and m.packed_max_rows]
-        kinds = Counter(m.packed_kind for m in packed)
+        packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
+        # Block segments by kind (a merged q/k/v layer may hold two kinds).
+        kinds = Counter(kind for m in packed for kind in m.packed_kinds)
         report = {
             "packed_decode_max_bs": max((m.packed_max_rows for m in packed), default=0),
             "packed_layers": dict(kinds),

@@ -137,7 +137,8 @@ def scheme_type(scheme: str, name: str, k: int) -> str:
 def requantize_linears(model, scheme: str, max_rows: int, activations: str) -> dict[str, int]:
     """Store every linear layer of `model` that has a float weight (a shared embedding/lm_head
     keeps its blocks) as `scheme` blocks for the packed kernels, dropping the float weight
-    where the type is a blocks-only one. Returns {GGML type: layers}."""
+    where a type is a blocks-only one. A merged layer (q/k/v, gate/up) quantizes each part with
+    its own type. Returns {GGML type: parts}."""
     import torch
     from gguf import GGMLQuantizationType
 
@@ -151,15 +152,25 @@ def requantize_linears(model, scheme: str, max_rows: int, activations: str) -> d
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in shared:
             continue
-        n, k = layer.weight.shape
-        t = scheme_type(scheme, name, k)
-        raw = quantize(layer.weight.detach().float().numpy(), t).reshape(-1)
-        kind, *parts = pack_blocks(raw, int(GGMLQuantizationType[t]), (n, k))
-        qs, d, m = (None if a is None else torch.from_numpy(np.array(a)) for a in parts)
-        packed = PackedWeight(kind, qs, d, m)
-        if t not in RAW_TYPES:  # the float copy must hold the new values too
+        k = layer.weight.shape[1]
+        parent = name.rpartition(".")[0]
+        shards = getattr(layer, "shards", None)
+        sizes = [(f"{parent}.{s.name}", s.size) for s in shards] if shards else \
+            [(name, layer.weight.shape[0])]
+        parts, types, row = [], [], 0
+        for part_name, n in sizes:
+            t = scheme_type(scheme, part_name, k)
+            w = layer.weight[row:row + n].detach().float().numpy()
+            raw = quantize(w, t).reshape(-1)
+            kind, *arrays = pack_blocks(raw, int(GGMLQuantizationType[t]), (n, k))
+            qs, d, m = (None if a is None else torch.from_numpy(np.array(a)) for a in arrays)
+            parts.append(PackedWeight(kind, qs, d, m))
+            types.append(t)
+            counts[t] = counts.get(t, 0) + 1
+            row += n
+        drop = any(t in RAW_TYPES for t in types)
+        if not drop:  # the float copy must hold the new values too
             with torch.no_grad():
-                layer.weight.copy_(packed.dequantize())
-        layer.attach_packed(packed, max_rows, activations, drop_weight=t in RAW_TYPES)
-        counts[t] = counts.get(t, 0) + 1
+                layer.weight.copy_(torch.cat([p.dequantize() for p in parts]))
+        layer.attach_packed(parts, max_rows, activations, drop_weight=drop)
     return counts

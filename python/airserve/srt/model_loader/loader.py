@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.model_loader.gguf_dequant import RAW_TYPES
 from airserve.srt.models.llama import LlamaForCausalLM
 
@@ -93,16 +94,19 @@ def load_model(model_path: str | None, dtype: str, device: str,
                packed_decode_max_bs: int = 0,
                keep_blocks: bool = False,
                decode_activations: str = "float32",
+               tp: TPGroup = SINGLE,
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model and load its weights. A GGUF's block-quantized linear weights are also
-    kept as blocks (cpu only) when `packed_decode_max_bs` > 0 (decode batches of up to that many
-    rows multiply with them with float32 or int8 `decode_activations`, float32 models:
-    airserve.srt.layers.quant.block_matvec) or `keep_blocks` (OpenVINO graphs use Q4_0/Q4_1/Q8_0
-    blocks as compressed weights: airserve.srt.layers.quant.openvino_linear).
+    """Build the model (this rank's shard of it under tensor parallelism) and load its weights.
+    A GGUF's block-quantized linear weights are also kept as blocks (cpu only) when
+    `packed_decode_max_bs` > 0 (decode batches of up to that many rows multiply with them with
+    float32 or int8 `decode_activations`, float32 models: airserve.srt.layers.quant.block_matvec)
+    or `keep_blocks` (OpenVINO graphs use Q4_0/Q4_1/Q8_0 blocks as compressed weights:
+    airserve.srt.layers.quant.openvino_linear).
 
-    Q4_0/Q4_1/Q8_0 layers keep a float32 copy beside their blocks for larger batches. The other
-    packed types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are held only as blocks when the packed kernels
-    run: larger batches dequantize them a chunk at a time (`Linear._dequantized_linear`)."""
+    Q4_0/Q4_1/Q8_0 layers keep a float32 copy beside their blocks for larger batches. A layer
+    with blocks of another packed type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is held only as blocks
+    when the packed kernels run: larger batches dequantize them a chunk at a time
+    (`Linear._dequantized_linear`)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -112,7 +116,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
     cfg = ModelConfig.from_hf_dict(gguf.config) if gguf else read_model_config(path)
     torch_dtype = resolve_dtype(dtype, device, cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     model = model.to_empty(device=device)
     # Non-persistent buffers (RoPE tables) are rebuilt after leaving the meta device.
     rope = type(model.model.rotary_emb)(cfg, max_positions or cfg.max_position_embeddings)
@@ -125,15 +129,15 @@ def load_model(model_path: str | None, dtype: str, device: str,
     if gguf is not None and (packed_decode_max_bs or keep_blocks):
         max_rows = packed_rows(device, torch_dtype, packed_decode_max_bs)
     blocks_only: set[str] = set()
-    if max_rows:
-        # Before the float weights load: these layers never get (or write) a float32 copy.
-        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, RAW_TYPES)
+    if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
+        # Before the float weights load: layers held as blocks only never get a float32 copy.
+        types = (*SPLIT_TYPES, *RAW_TYPES) if max_rows else SPLIT_TYPES
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
-        attach_packed(model, gguf, max_rows, decode_activations, SPLIT_TYPES)
-    logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
-                cfg.num_hidden_layers, torch_dtype, device)
+    logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
+                cfg.num_hidden_layers, torch_dtype, device,
+                f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
     return cfg, model
 
 
@@ -154,21 +158,15 @@ def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
                   activations: str, types: tuple[str, ...]) -> set[str]:
-    """Give the model the blocks of its GGUF tensors of `types`; `RAW_TYPES` replace the float
-    weights. Returns the names of the tensors now held only as blocks."""
-    drop = types == RAW_TYPES
-    names: set[str] = set()
-
-    def tracked():
-        for name, packed in gguf.packed_tensors(types):
-            names.add(name)
-            yield name, packed
-
-    kinds = model.attach_packed_weights(tracked(), max_rows, activations, drop_weights=drop)
+    """Give the model the blocks of its GGUF tensors of `types` (q/k/v and gate/up merged);
+    a layer with blocks of a `RAW_TYPES` type holds no float weight. Returns the names of the
+    tensors now held only as blocks (their float values are never read)."""
+    kinds, dropped = model.attach_packed_weights(gguf.packed_tensors(types), max_rows,
+                                                 activations, drop_raw=bool(max_rows))
     if kinds:
         logger.info("kept GGUF blocks of %s%s; decode batches of <= %d rows multiply with them "
-                    "(%s activations)", ", ".join(f"{n} {k} layers" for k, n in
+                    "(%s activations)", ", ".join(f"{n} {k} segments" for k, n in
                                                   sorted(kinds.items())),
-                    " (no float32 copy)" if drop else "", max_rows, activations)
-    tied = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
-    return {n for n in names if n != tied} if drop else set()
+                    f" ({len(dropped)} tensors with no float32 copy)" if dropped else "",
+                    max_rows, activations)
+    return dropped

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
+from airserve.srt.distributed.sharding import column_shard, qkv_shards, vocab_shard
+from airserve.srt.layers.embedding import VocabParallelEmbedding
 from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.parallel_linear import ColumnLinear, RowLinear
 
 if TYPE_CHECKING:
     from airserve.srt.forward_batch import ForwardBatch
@@ -78,21 +82,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """This rank's heads: q/k/v as one column-parallel product, o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.scale = self.head_dim**-0.5
-        h, d = cfg.hidden_size, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=False)
-        # One product for q, k and v when set (OpenVINO graphs: see with_openvino_linears).
-        self.qkv_proj: nn.Module | None = None
+        shards = qkv_shards(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                            tp.rank, tp.size)
+        d = cfg.head_dim
+        self.num_heads = shards[0].size // d
+        self.num_kv_heads = shards[1].size // d
+        self.head_dim = d
+        self.scale = d**-0.5
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, shards, bias=cfg.attention_bias)
+        self.o_proj = RowLinear(cfg.num_attention_heads * d, cfg.hidden_size, "o_proj", tp=tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -102,11 +105,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_proj is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            kv = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -118,26 +118,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """gate/up as one column-parallel product, down_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # like Attention.qkv_proj
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnLinear(
+            cfg.hidden_size, [column_shard(n, inter, tp.rank, tp.size)
+                              for n in ("gate_proj", "up_proj")])
+        self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -147,10 +147,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
 
@@ -162,11 +163,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, tp)
+        shard = vocab_shard(cfg.vocab_size, tp.rank, tp.size, "lm_head")
+        self.lm_head = ColumnLinear(cfg.hidden_size, [shard])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -180,53 +184,66 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden[fb.logit_rows]
         elif fb.last_token_indices is not None and not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices]
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits)[:, :self.config.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy named tensors (HF naming) into the parameters; missing or unknown names raise."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        """Copy this rank's part of named tensors (HF naming) into the parameters; missing or
+        unknown names raise."""
+        targets = checkpoint_targets(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if name not in params:
+            if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
+            module, part, field = targets[name]
+            if isinstance(module, (ColumnLinear, RowLinear)):
+                module.load(part, field, tensor, name)
+            elif isinstance(module, VocabParallelEmbedding):
+                module.load(tensor, name)
+            else:
+                _copy_param(name, getattr(module, field), tensor)
             loaded.add(name)
-        expected = {n for n in params if not (n == "lm_head.weight" and
-                                              self.config.tie_word_embeddings)}
-        missing = sorted(expected - loaded)
+        missing = sorted(set(targets) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
     def attach_packed_weights(self, weights: Iterable[tuple[str, PackedWeight]],
                               max_rows: int, activations: str = "float32",
-                              drop_weights: bool = False) -> dict[str, int]:
-        """Give linear layers the block-quantized copies of their weights (HF names) for
-        inputs of <= max_rows rows, products with `activations` ("float32" or "int8").
-        `drop_weights` frees the float weights of those layers (not a weight shared with the
-        embedding). Returns {kind: layers} for the report."""
-        modules = dict(self.named_modules())
+                              drop_raw: bool = False) -> tuple[dict[str, int], set[str]]:
+        """Give linear layers this rank's part of the block-quantized copies of their weights
+        (HF names; q/k/v and gate/up merged into one block weight each) for inputs of
+        <= max_rows rows, products with `activations` ("float32" or "int8"). `drop_raw` frees
+        the float weight of a layer with blocks of a `RAW_KINDS` kind (not a weight shared with
+        the embedding). A merged layer takes blocks only when all its parts have them.
+        Returns ({kind: layers} for the report, checkpoint names whose float copy is freed)."""
+        from airserve.srt.layers.quant.block_matvec import RAW_KINDS
+
+        targets = checkpoint_targets(self, packed=True)
+        pending: dict[int, dict[str, PackedWeight]] = {}
         kinds: dict[str, int] = {}
+        dropped: set[str] = set()
         for name, packed in weights:
-            tied = name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
-            if tied:
-                name = "lm_head.weight"
-            layer = modules.get(name.removesuffix(".weight"))
-            if not isinstance(layer, Linear):
+            if name not in targets or not isinstance(targets[name][0], Linear):
                 continue  # e.g. an untied embedding: its lookup reads one row
-            layer.attach_packed(packed, max_rows, activations, drop_weights and not tied)
-            kinds[packed.kind] = kinds.get(packed.kind, 0) + 1
-        return kinds
+            layer, part, _ = targets[name]
+            parts = pending.setdefault(id(layer), {})
+            parts[part] = packed
+            if set(parts) != set(layer.part_names):
+                continue
+            tied = layer is self.lm_head and self.config.tie_word_embeddings
+            drop = drop_raw and not tied and any(p.kind in RAW_KINDS for p in parts.values())
+            layer.attach_packed(layer.shard_packed(parts), max_rows, activations, drop)
+            if drop:
+                dropped |= {n for n, (m, _, f) in targets.items() if m is layer}
+            for kind in layer.packed_kinds:
+                kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds, dropped
 
     def decode_weight_bytes(self, batch_size: int) -> int:
         """Bytes of weights a decode step of `batch_size` rows reads (not the embedding table,
@@ -240,3 +257,38 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 total += sum(p.numel() * p.element_size() for p in module.parameters())
         return total
+
+
+def checkpoint_targets(model: nn.Module, packed: bool = False
+                       ) -> dict[str, tuple[nn.Module, str, str]]:
+    """HF checkpoint name -> (module, part, "weight" | "bias") for every tensor the model loads
+    (a layer without a float weight takes none). `packed`: block weights instead, where a tied
+    embedding's blocks go to lm_head."""
+    targets: dict[str, tuple[nn.Module, str, str]] = {}
+    for path, module in model.named_modules():
+        parent = path.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        if isinstance(module, (ColumnLinear, RowLinear)):
+            fields = ["weight"] if packed else [
+                f for f in ("weight", "bias") if getattr(module, f) is not None]
+            for part in module.part_names:
+                for field in fields:
+                    targets[f"{prefix}{part}.{field}"] = (module, part, field)
+        elif isinstance(module, VocabParallelEmbedding):
+            targets[f"{path}.weight"] = (module, "embed_tokens", "weight")
+        elif not packed:
+            for field, _ in module.named_parameters(recurse=False):
+                targets[f"{path}.{field}"] = (module, field, field)
+    if model.config.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+        if packed:
+            targets["model.embed_tokens.weight"] = (model.lm_head, "lm_head", "weight")
+    return targets
+
+
+def _copy_param(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

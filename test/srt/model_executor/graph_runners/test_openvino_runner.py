@@ -180,10 +180,13 @@ def test_gguf_blocks_run_as_compressed_weights(tmp_path, small_kv_buckets):
     # (OpenVINO may merge matmuls that share an input, so types are checked, not counts.)
     assert set(ov.graph_runner.report()["openvino_weights"]) == {"u4", "i8"}
     assert ov.kernels_report()["packed_layers"] == {}  # the C++ block kernels are not used
-    # gate (Q4_1) and up (Q4_0, carried as Q4_1) merge into one layer; q/k/v do not (v: Q8_0).
+    # gate (Q4_1) and up (Q4_0, carried as Q4_1) are one compressed layer; q/k/v one per block
+    # kind (q/k Q4_1, v Q8_0).
+    from airserve.srt.layers.quant.openvino_linear import ConcatLinear, OpenVINOLinear
+
     layers = ov.graph_runner.ov_model.model.layers
-    assert all(la.mlp.gate_up_proj is not None and la.self_attn.qkv_proj is None
-               for la in layers)
+    assert all(isinstance(la.mlp.gate_up_proj, OpenVINOLinear)
+               and isinstance(la.self_attn.qkv_proj, ConcatLinear) for la in layers)
     prompts = prompts_for(3, eager.model_config.vocab_size)
     ref_logits, ref_tokens, ref_kv = decode(eager, prompts, STEPS)
     logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)

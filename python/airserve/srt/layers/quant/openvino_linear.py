@@ -16,8 +16,8 @@ Q4_1 (and Q4_0, carried as Q4_1) values are `d * q + m` per block of 32, written
 float zero point or with m as a separate small matmul (see `OpenVINOLinear`); both give the
 dequantized weight's values up to float32 rounding.
 
-Projections of one input (q/k/v, gate/up) whose blocks share a kind are merged into one such
-layer: fewer, larger matmuls. The graphs also hold about a fifth of the bytes of float32
+The model's merged projections (q/k/v, gate/up) stay one layer: one matmul when their blocks
+share a kind, one per segment otherwise. The graphs also hold about a fifth of the bytes of float32
 constants (~100 vs 513 MiB for the default model); every compiled graph holds its own copy.
 """
 
@@ -104,58 +104,50 @@ class OpenVINOLinear(nn.Module):
 
 # Block kinds OpenVINO keeps compressed (u4 / i8); layers of other kinds keep their Linear.
 OPENVINO_KINDS = ("q4_1", "q8_0")
-# Modules whose projections of one input can run as one product: attribute for the merged
-# layer -> the layers it replaces, in the order of its output columns.
-MERGEABLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def merge_packed(parts: list[PackedWeight]) -> PackedWeight | None:
-    """The blocks of weights stacked along N, or None if their block kinds differ."""
-    if len({p.kind for p in parts}) != 1:
+class ConcatLinear(nn.Module):
+    """A merged layer whose block segments differ in kind (say q/k in Q4_1, v in Q8_0): one
+    compressed matmul per segment, outputs side by side."""
+
+    def __init__(self, parts: list[OpenVINOLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+def openvino_linear(layer: Linear, zero_point: bool) -> nn.Module | None:
+    """The OpenVINO form of `layer`'s blocks, or None if a segment is of a kind OpenVINO does
+    not keep compressed. Merged projections (q/k/v, gate/up) stay one layer: fewer, larger
+    compressed matmuls (~10% of a bs-1 step for the default model)."""
+    parts = layer.packed_parts
+    if not parts or any(p.kind not in OPENVINO_KINDS for p in parts):
         return None
-    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]),
-                        torch.cat([p.d for p in parts]), m)
-
-
-def _merge_projections(module: nn.Module, zero_point: bool) -> list[nn.Module]:
-    """Give `module` (an attention or MLP block) one OpenVINOLinear for projections that share
-    an input and a block kind: fewer, larger compressed matmuls (~10% of a bs-1 step for the
-    default model). Returns the layers it merged."""
-    merged = []
-    for attr, names in MERGEABLE.items():
-        if not hasattr(module, attr) or getattr(module, attr) is not None:
-            continue
-        layers = [getattr(module, n, None) for n in names]
-        if not all(isinstance(m, Linear) and m.packed_kind in OPENVINO_KINDS for m in layers):
-            continue
-        packed = merge_packed([m.packed for m in layers])
-        biases = [m.bias for m in layers]
-        if packed is None or len({b is None for b in biases}) != 1:
-            continue
-        bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), False)
-        setattr(module, attr, OpenVINOLinear(packed, bias, zero_point))
-        merged += layers
-    return merged
+    if len(parts) == 1:
+        return OpenVINOLinear(parts[0], layer.bias, zero_point)
+    return ConcatLinear([OpenVINOLinear(p, None, zero_point) for p in parts], layer.bias)
 
 
 def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn.Module, int]:
-    """A copy of `model` for OpenVINO graphs: each `Linear` holding GGUF blocks becomes an
-    `OpenVINOLinear(zero_point=...)` (q/k/v and gate/up merged into one where the model has a
-    `qkv_proj` / `gate_up_proj` slot and their blocks are of one kind); every other tensor is
-    shared with `model`, not copied. Returns the copy and how many layers run from blocks
-    (0: no blocks, a float model)."""
+    """A copy of `model` for OpenVINO graphs: each `Linear` holding GGUF blocks of OpenVINO's
+    kinds becomes an `OpenVINOLinear(zero_point=...)` (a `ConcatLinear` of them for mixed
+    segments); every other tensor is shared with `model`, not copied. Returns the copy and how
+    many layers run from blocks (0: no blocks, a float model)."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     clone = copy.deepcopy(model, memo=shared)
-    merged = {id(layer) for m in list(clone.modules())
-              for layer in _merge_projections(m, zero_point)}
-    replaced = len(merged)
+    replaced = 0
     for name, module in list(clone.named_modules()):
-        if id(module) in merged:
-            continue  # served by its merged layer
-        if isinstance(module, Linear) and module.packed_kind in OPENVINO_KINDS:
-            parent, _, child = name.rpartition(".")
-            owner = clone.get_submodule(parent) if parent else clone
-            setattr(owner, child, OpenVINOLinear(module.packed, module.bias, zero_point))
-            replaced += 1
+        if not isinstance(module, Linear):
+            continue
+        ov = openvino_linear(module, zero_point)
+        if ov is None:
+            continue
+        parent, _, child = name.rpartition(".")
+        owner = clone.get_submodule(parent) if parent else clone
+        setattr(owner, child, ov)
+        replaced += 1
     return clone, replaced
