@@ -3,8 +3,10 @@
 Shapes are the default model's (SmolLM2-135M): [N, K] = [1536, 576] (gate/up), [576, 1536]
 (down) and [49152, 576] (lm_head); K-quants need K a multiple of 256, so they run on the down
 shape only. Weights are random normal values quantized to each type. Prints a table (median
-microseconds per product, weight GB/s) and writes JSON; names the CPU and its features. On a
-shared machine the figures are noisy: compare columns of one run, not runs.
+microseconds per product, weight GB/s) and writes JSON; names the CPU and its features. The
+float32 products run on the best instruction set this CPU has and on plain C++, the int8 ones on
+the best (`--all-isas`: every one); the configurations take turns call by call. On a shared
+machine the figures are noisy: compare columns of one run, not runs.
 
     python benchmark/kernels/bench_kernels.py [--rows 1 2 4 8] [--threads 2] [--json F]
 """
@@ -47,20 +49,36 @@ def make_weight(type_name: str, n: int, k: int):
     return PackedWeight(kind, qs, d, m)
 
 
-def time_us(fn, repeats: int) -> float:
-    """Median microseconds of `repeats` calls after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def time_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each fn, after two warm-up calls each. The fns take
+    turns call by call, so a busy machine's slow spells hit them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
-def run(rows: list[int], types: list[str], repeats: int, isas: list[str]) -> list[dict]:
-    from airserve.srt.layers.quant.block_matvec import packed_linear, use_int8_isa
+def with_isa(fn, select, isa):
+    """fn, called with the instruction set `isa` selected (select: use_*_isa)."""
+    def call():
+        select(isa)
+        return fn()
+    return call
+
+
+def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
+        f32_isas: list[str]) -> list[dict]:
+    from airserve.srt.layers.quant.block_matvec import (
+        packed_linear,
+        use_float32_isa,
+        use_int8_isa,
+    )
 
     results = []
     for type_name in types:
@@ -70,29 +88,32 @@ def run(rows: list[int], types: list[str], repeats: int, isas: list[str]) -> lis
             w = make_weight(type_name, n, k)
             for m in rows:
                 x = torch.randn(m, k)
+                f32 = lambda x=x, w=w: packed_linear(x, w)  # noqa: E731
+                i8 = lambda x=x, w=w: packed_linear(x, w, "int8")  # noqa: E731
+                fns = {f"float32_{i}_us": with_isa(f32, use_float32_isa, i) for i in f32_isas}
+                fns.update({f"int8_{i}_us": with_isa(i8, use_int8_isa, i) for i in isas})
                 row = {"type": type_name, "N": n, "K": k, "rows": m, "weight_bytes": w.nbytes,
-                       "float32_us": time_us(lambda x=x, w=w: packed_linear(x, w), repeats)}
-                for isa in isas:
-                    use_int8_isa(isa)
-                    row[f"int8_{isa}_us"] = time_us(
-                        lambda x=x, w=w: packed_linear(x, w, "int8"), repeats)
+                       **time_interleaved(fns, repeats)}
+                row["float32_us"] = row[f"float32_{f32_isas[0]}_us"]
                 use_int8_isa("auto")
+                use_float32_isa("auto")
                 results.append(row)
-                print_row(row, isas)
+                print_row(row, isas, f32_isas)
     return results
 
 
-def print_header(isas: list[str]) -> None:
-    cols = "".join(f" {'int8 ' + i:>17}" for i in isas)
-    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4} {'float32 us':>11}{cols} {'speed-up':>8}"
-          f" {'GB/s int8':>9}")
+def print_header(isas: list[str], f32_isas: list[str]) -> None:
+    cols = "".join(f" {'float32 ' + i:>15}" for i in f32_isas)
+    cols += "".join(f" {'int8 ' + i:>17}" for i in isas)
+    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4}{cols} {'int8 gain':>9} {'GB/s f32':>8}")
 
 
-def print_row(r: dict, isas: list[str]) -> None:
+def print_row(r: dict, isas: list[str], f32_isas: list[str]) -> None:
     best = r[f"int8_{isas[0]}_us"]
-    cols = "".join(f" {r[f'int8_{i}_us']:17.1f}" for i in isas)
-    print(f"{r['type']:5} {r['N']:6d} {r['K']:5d} {r['rows']:4d} {r['float32_us']:11.1f}{cols}"
-          f" {r['float32_us'] / best:7.2f}x {r['weight_bytes'] / best / 1e3:9.2f}")
+    cols = "".join(f" {r[f'float32_{i}_us']:15.1f}" for i in f32_isas)
+    cols += "".join(f" {r[f'int8_{i}_us']:17.1f}" for i in isas)
+    print(f"{r['type']:5} {r['N']:6d} {r['K']:5d} {r['rows']:4d}{cols}"
+          f" {r['float32_us'] / best:8.2f}x {r['weight_bytes'] / r['float32_us'] / 1e3:8.2f}")
 
 
 def main() -> None:
@@ -102,7 +123,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--all-isas", action="store_true",
-                   help="int8 on every instruction set this CPU has (default: the best)")
+                   help="every instruction set this CPU has, float32 and int8 (default: the "
+                        "best; float32 always also on plain C++, the path before AVX2 had one)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -112,13 +134,18 @@ def main() -> None:
         raise SystemExit(f"the packed kernels did not build: {block_matvec.unavailable_reason()}")
     cpu = cpu_info()
     isas = block_matvec.int8_isas() if a.all_isas else block_matvec.int8_isas()[:1]
+    f32_isas = block_matvec.float32_isas()
+    if not a.all_isas:
+        f32_isas = list(dict.fromkeys([f32_isas[0], "scalar"]))
     print(f"CPU: {cpu['model']}; features: {' '.join(cpu['features'])}; threads {a.threads}; "
-          f"int8 instruction sets: {', '.join(block_matvec.int8_isas())}")
-    print_header(isas)
-    results = run(a.rows, a.types, a.repeats, isas)
+          f"float32 instruction sets: {', '.join(block_matvec.float32_isas())}; "
+          f"int8: {', '.join(block_matvec.int8_isas())}")
+    print_header(isas, f32_isas)
+    results = run(a.rows, a.types, a.repeats, isas, f32_isas)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu, "threads": a.threads, "int8_isas": block_matvec.int8_isas(),
+                       "float32_isas": block_matvec.float32_isas(),
                        "note": "median of repeats; shared machine: figures are noisy",
                        "results": results}, f, indent=2)
 

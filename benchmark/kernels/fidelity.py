@@ -145,7 +145,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                   f"{ppl:.3f}", flush=True)
         block_matvec.use_int8_isa("auto")
         del runner
-    return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
+    return {"rows": rows, "float32_isa": block_matvec.float32_isa(),
+            "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "passed": all(r["passed"] for r in rows)}
 

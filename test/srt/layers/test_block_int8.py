@@ -143,7 +143,9 @@ def test_packed_report_names_activations_and_instruction_set() -> None:
     assert report == {"cpu_decode_activations": "int8", "blocks_only_layers": 1,
                       "int8_isa": block_matvec.int8_isa()}
     b.packed_activations = "float32"
-    assert packed_report([a, b])["cpu_decode_activations"] == ["float32", "int8"]
+    report = packed_report([a, b])
+    assert report["cpu_decode_activations"] == ["float32", "int8"]
+    assert report["float32_isa"] == block_matvec.float32_isa() == block_matvec.float32_isas()[0]
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])

@@ -1,8 +1,10 @@
-"""The block-quantized decode kernels (Q4_1/Q8_0 x float32) and the Linear layer that uses them.
+"""The block-quantized decode kernels (float32 activations) and the Linear layer that uses them.
 
 Reference: `PackedWeight.dequantize()` (checked against the GGUF loader's dequantization in
-test/srt/model_loader/test_gguf.py) followed by a float32 matmul. Tolerance: 1e-5 of the output
-scale; the kernels see the same values and differ only in summation order.
+test/srt/model_loader/test_gguf.py) followed by a float32 matmul, or by a float64 one for every
+instruction-set path (AVX-512, AVX2+FMA+F16C, plain C++) this CPU has. Tolerance: 1e-5 of the
+output scale; the kernels see the same values and differ only in summation order (and in one
+rounding less where the AVX2 path forms q4_1's d * q + m with an FMA).
 """
 
 from __future__ import annotations
@@ -10,17 +12,67 @@ from __future__ import annotations
 import pytest
 import torch
 
+from airserve.srt.hardware import host_cpu
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec
-from airserve.srt.layers.quant.block_matvec import MAX_ROWS, PackedWeight, packed_linear
+from airserve.srt.layers.quant.block_matvec import (
+    KINDS,
+    MAX_ROWS,
+    RAW_KINDS,
+    PackedWeight,
+    packed_linear,
+)
 from airserve_testing.compile_probe import compiled_calls
-from airserve_testing.tiny_gguf import random_packed
+from airserve_testing.tiny_gguf import any_packed, random_packed
+
+FLOAT32_ISAS = ("avx512", "avx2", "scalar")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    yield
+    block_matvec.use_float32_isa("auto")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("isa", FLOAT32_ISAS)
+def test_every_path_equals_the_float64_reference(isa: str, kind: str) -> None:
+    """Each instruction-set path by name, every kind, rows 1..16, K not a multiple of 256 where
+    the block size (32) allows it; odd N, so the last thread's chunk is partial."""
+    if isa not in block_matvec.float32_isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    assert block_matvec.use_float32_isa(isa) == isa == block_matvec.float32_isa()
+    try:
+        for k in (96, 576) if RAW_KINDS.get(kind, (32,))[0] == 32 else (256, 512):
+            w = any_packed(kind, 67, k, seed=k)
+            wd = w.dequantize().double()
+            for rows in range(1, MAX_ROWS + 1):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                ref = x.double() @ wd.T
+                out = packed_linear(x, w)
+                assert out.dtype == torch.float32 and out.shape == ref.shape
+                torch.testing.assert_close(out.double(), ref, rtol=0,
+                                           atol=1e-5 * ref.abs().max().item())
+    finally:
+        block_matvec.use_float32_isa("auto")
+
+
+def test_the_best_path_the_cpu_has_is_used() -> None:
+    """The path follows the CPU's flags: AVX-512 (F, BW, VL), else AVX2 with FMA and F16C."""
+    flags = host_cpu()[1]
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    expected = ("avx512" if avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
+                else "avx2" if avx2 else "scalar")
+    assert block_matvec.float32_isas()[0] == expected
+    assert block_matvec.use_float32_isa("auto") == expected == block_matvec.float32_isa()
+    assert block_matvec.float32_isas()[-1] == "scalar"
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
+        block_matvec.use_float32_isa("sse9")
+    for isa in set(FLOAT32_ISAS) - set(block_matvec.float32_isas()):
+        with pytest.raises(RuntimeError, match=f"lacks {isa}"):
+            block_matvec.use_float32_isa(isa)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -3,10 +3,11 @@
 `csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights)
 and `csrc/decode_attention.cpp` (paged decode attention, float32) are compiled together for this
 CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
-and AVX2 through target options whatever this CPU is, and picks one at run time from the CPU's
-features. Their schemas are defined where they are used (`quant/block_matvec.py`,
-`attention/torch_native_backend.py`). Without a C++ compiler `available()` is False, says why
-once in the log, and the callers keep their plain-torch paths (the model runner reports which).
+and AVX2, and block_matvec.cpp its float32 products for AVX-512 and AVX2+FMA+F16C, through target
+options whatever this CPU is; each picks one at run time from the CPU's features. Their schemas
+are defined where they are used (`quant/block_matvec.py`, `attention/torch_native_backend.py`).
+Without a C++ compiler `available()` is False, says why once in the log, and the callers keep
+their plain-torch paths (the model runner reports which).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 logger = logging.getLogger(__name__)
 
 SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp")
-HEADERS = ("block_unpack.h", "block_int8_rows.inc")  # included: part of the build name
+# Included by the sources: part of the build name.
+HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_f32.h", "block_f32_rows.inc")
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
 # on it forever. A real build of these sources takes well under this many seconds.
 STALE_LOCK_SECONDS = 300

@@ -137,8 +137,8 @@ def merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
 
 def packed_report(layers: list[Linear]) -> dict:
     """What /get_server_info's decode_kernels adds about the packed products of `layers`: the
-    activations they use, the int8 instruction set, and how many hold no float32 weight."""
-    from airserve.srt.layers.quant.block_matvec import int8_isa
+    activations they use, the instruction set of each, and how many hold no float32 weight."""
+    from airserve.srt.layers.quant.block_matvec import float32_isa, int8_isa
 
     packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
     activations = sorted({m.packed_activations for m in packed})
@@ -146,4 +146,6 @@ def packed_report(layers: list[Linear]) -> dict:
               "blocks_only_layers": sum(m.weight is None for m in packed)}
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
+    if "float32" in activations:
+        report["float32_isa"] = float32_isa()
     return report

@@ -6,6 +6,7 @@ buckets [1, 4], so bs 1 and 4 replay exactly, 2 and 3 replay padded in bucket 4,
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -119,3 +120,60 @@ def test_no_recompile_after_capture(runners):
     assert dynamo_graph_count() == before
     assert gr.recompiles_since_capture() == 0
     assert gr.report()["recompiles_since_capture"] == 0
+
+
+# Frames that run when dynamo handles a call: the entry of every torch.compile'd function, its
+# guard code, and the decode step itself (the transformed forward_static dynamo runs).
+DYNAMO_STEP_FRAMES = ("compile_wrapper", "forward_static")
+
+
+def dynamo_frames(fn, *args) -> tuple[list[str], object]:
+    """Names of the DYNAMO_STEP_FRAMES functions and of any torch/_dynamo/guards.py function
+    that run during `fn(*args)`, and its result."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and (any(name in code.co_name for name in DYNAMO_STEP_FRAMES)
+                                or code.co_filename.replace("\\", "/").endswith(
+                                    "torch/_dynamo/guards.py")):
+            seen.append(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return seen, result
+
+
+def replays(gr: CPUGraphRunner, bs: int, static, n: int) -> list[torch.Tensor]:
+    return [gr.replay_bucket(bs, static).clone() for _ in range(n)]
+
+
+@torch.inference_mode()
+def test_replay_calls_the_compiled_graph_without_dynamo(runners):
+    """After a bucket's first replay (through dynamo, checking its inputs) no dynamo code runs
+    per step, and the direct call gives what the dynamo-called graph gives."""
+    graph, _ = runners
+    gr = graph.graph_runner
+    for bs in BUCKETS:
+        static = gr.inputs.batches[bs]
+        gr.attn_backend.init_forward_metadata_capture(static, bs)
+        gr.replay_bucket(bs, static)  # the first replay of a bucket may go through dynamo
+        assert bs in gr.direct, gr.report().get("direct_replay_refused")
+        before = gr.dynamo_replays
+        frames, direct = dynamo_frames(replays, gr, bs, static, 3)
+        assert frames == []
+        assert gr.dynamo_replays == before
+        # The probe's names are real: the torch.compile'd function a dynamo replay enters is
+        # compile_wrapper (profiling that replay itself is not possible: dynamo does not look
+        # up its cache while a profile function is set).
+        assert gr.compiled[bs].__code__.co_name in DYNAMO_STEP_FRAMES
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            ref = gr.compiled[bs](static)
+        assert gr.dynamo_replays == before
+        for out in direct:
+            torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert gr.report()["direct_replay_buckets"] == sorted(BUCKETS)
+    assert gr.recompiles_since_capture() == 0

@@ -7,7 +7,7 @@
 //     portable C++, chosen at run time from the CPU's features (all four are compiled on every
 //     x86 machine through target options; set_int8_isa narrows the choice for tests).
 //   block_matmul_f32: float32 activations times the exact block values (the kinds other than
-//     q4_1 / q8_0, which block_matvec.cpp serves).
+//     q4_1, which q4_1_matmul serves), on block_matvec.cpp's loops.
 //   dequantize_blocks: float32 [N, K] values, for batches above the packed limit.
 // Weight forms: q4_1 / q8_0 as split tensors (qs, d, m; see block_matvec.cpp); q5_0, q5_1,
 // q4_k, q5_k, q6_k as the GGUF blocks' raw bytes, uint8 [N, K / values_per_block * bytes].
@@ -26,6 +26,7 @@
 #define AIRSERVE_X86 1
 #endif
 
+#include "block_f32.h"
 #include "block_unpack.h"
 
 namespace {
@@ -246,56 +247,19 @@ at::Tensor block_matmul_int8(const at::Tensor& x, const std::string& kind, const
   return out;
 }
 
-// Float32 activations times the exact values of one unpacked group, M rows at a time.
-template <int M>
-void f32_rows(const Int8Job& job, const float* x, int64_t n0, int64_t n1) {
-  airserve_blocks::Group g;
-  alignas(64) float w[256];
-  const int64_t ngroups = (job.nb + 7) / 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    const airserve_blocks::Row row = job.row(n);
-    float acc[M][8] = {};
-    for (int64_t gi = 0; gi < ngroups; ++gi) {
-      airserve_blocks::unpack(row, gi, job.nb, g);
-      const int len = 32 * g.nblocks;
-      const uint8_t* uq = reinterpret_cast<const uint8_t*>(g.q);
-      for (int e = 0; e < len; ++e) {
-        const float q = g.is_signed ? float(g.q[e]) : float(uq[e]);
-        w[e] = g.a[e / 32] * float(g.s16[e / 16]) * q + g.c[e / 32];
-      }
-      for (int r = 0; r < M; ++r) {
-        const float* xr = x + r * job.K + gi * 256;
-        for (int e = 0; e < len; e += 8)
-          for (int t = 0; t < 8; ++t) acc[r][t] += xr[e + t] * w[e + t];
-      }
-    }
-    for (int r = 0; r < M; ++r) {
-      float s = 0.f;
-      for (int t = 0; t < 8; ++t) s += acc[r][t];
-      job.out[r * job.N + n] = s;
-    }
-  }
-}
-
+// Float32 activations times the exact block values, on block_matvec.cpp's loops.
 at::Tensor block_matmul_f32(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
                             const c10::optional<at::Tensor>& d,
                             const c10::optional<at::Tensor>& m) {
   at::Tensor out;
   const Int8Job job = checked_job(x, kind, qs, d, m, "airserve::block_matmul_f32", out);
-  const int64_t M = x.size(0), N = job.N;
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-#define AIRSERVE_F32_CASE(R) \
-      case R: f32_rows<R>(job, xp, n0, n1); break;
-      AIRSERVE_F32_CASE(1) AIRSERVE_F32_CASE(2) AIRSERVE_F32_CASE(3) AIRSERVE_F32_CASE(4)
-      AIRSERVE_F32_CASE(5) AIRSERVE_F32_CASE(6) AIRSERVE_F32_CASE(7) AIRSERVE_F32_CASE(8)
-      AIRSERVE_F32_CASE(9) AIRSERVE_F32_CASE(10) AIRSERVE_F32_CASE(11) AIRSERVE_F32_CASE(12)
-      AIRSERVE_F32_CASE(13) AIRSERVE_F32_CASE(14) AIRSERVE_F32_CASE(15) AIRSERVE_F32_CASE(16)
-#undef AIRSERVE_F32_CASE
-      default: break;
-    }
-  });
+  TORCH_CHECK(job.kind != airserve_blocks::kQ4_1,
+              "airserve::block_matmul_f32: q4_1 blocks go through q4_1_matmul");
+  const int64_t M = x.size(0);
+  const airserve_f32::Job f32{job.kind, job.qs, job.qs_stride, job.d, job.m, job.K, job.N,
+                              job.nb, x.data_ptr<float>(), nullptr, job.out};
+  at::parallel_for(0, job.N, kGrain,
+                   [&](int64_t n0, int64_t n1) { airserve_f32::rows(f32, M, n0, n1); });
   return out;
 }
 

@@ -152,6 +152,23 @@ def use_int8_isa(name: str) -> str:
     return str(torch.ops.airserve_isa.set_int8_isa(name))
 
 
+def float32_isas() -> list[str]:
+    """Instruction sets the float32 products can use on this CPU, best first: "avx512",
+    "avx2" (with FMA and F16C), "scalar" (plain C++)."""
+    return list(torch.ops.airserve_isa.f32_isas())
+
+
+def float32_isa() -> str:
+    """The instruction set the float32 products use now."""
+    return str(torch.ops.airserve_isa.f32_isa())
+
+
+def use_float32_isa(name: str) -> str:
+    """Make the float32 products use `name` ("auto": the best this CPU has), as
+    `use_int8_isa` does for the int8 ones. Raises RuntimeError for one the CPU lacks."""
+    return str(torch.ops.airserve_isa.set_f32_isa(name))
+
+
 def kernels_available() -> bool:
     """Whether the C++ operators are built and loaded (see airserve.srt.layers.cpu_kernels)."""
     from airserve.srt.layers import cpu_kernels

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.model_executor.graph_runners.config import RunnerConfig
@@ -198,7 +199,11 @@ class GraphRunner(ABC):
         # Past dynamo's recompile limit a compiled function silently runs eager.
         raise_recompile_limit(self.max_compiled_graphs())
         before = self.memory_in_use()
-        for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
+        # Largest first: later graphs reuse its memory. One console bar step per bucket.
+        bar = tqdm(list(reversed(self.buckets)), desc=f"{type(self).__name__} capture",
+                   unit="bucket", leave=True)
+        for bs in bar:
+            bar.set_postfix_str(f"bs={bs}")
             fb = self.inputs.batches[bs]
             self.attn_backend.init_forward_metadata_capture(fb, bs)
             start = time.perf_counter()
@@ -210,6 +215,7 @@ class GraphRunner(ABC):
                     f"step at batch size {bs} ({type(e).__name__}: {e}). {self.capture_hint}"
                 ) from e
             self.capture_seconds[bs] = time.perf_counter() - start
+        bar.close()
         self.memory_bytes = max(0, self.memory_in_use() - before)
         self.log_report()
 

@@ -1,0 +1,130 @@
+"""W1 side by side: one stream, airserve against llama.cpp on the same GGUF file and threads.
+
+W1 = one prompt of 32 token ids (seeded), 256 greedy new tokens with `ignore_eos`. Per
+configuration, in a fresh process each, one after another: the median time of a 1-token
+generation of the prompt (TTFT) and the time of the full 256-token generation; decode tok/s =
+255 / (full - TTFT). Configurations:
+
+- `airserve:<eager|compile|openvino>` and `served:<mode>`: as in bench_w2.py (offline Engine,
+  or `launch_server` with the requests posted to /generate); the graph runners capture bs 1;
+- `llama-cpp`: llama-cpp-python (`pip install llama-cpp-python`, the `bench` extra) on the
+  default model's GGUF, flash attention on, the KV cache reset before every generation.
+
+Prints a table (ratio against llama.cpp) and writes JSON. On a shared machine run it when the
+machine is quiet; one run per configuration.
+
+    python benchmark/throughput/bench_w1.py [--configs airserve:compile llama-cpp] [--output F]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_w2  # noqa: E402
+
+DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:compile", "llama-cpp"]
+
+
+def run_llama_cpp(job: dict) -> dict:
+    """One stream on llama.cpp: TTFT of a 1-token generation, then the full generation."""
+    import llama_cpp
+
+    from airserve.srt.model_loader.loader import default_model_path
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=default_model_path(), n_threads=job["threads"],
+                          n_threads_batch=job["threads"], n_ctx=512, flash_attn=True,
+                          verbose=False)
+    load_s = time.perf_counter() - t0
+
+    def generate(n: int) -> tuple[float, list[int]]:
+        llm.reset()
+        out: list[int] = []
+        t = time.perf_counter()
+        for tok in llm.generate(job["lone_prompt"], top_k=1, temp=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return time.perf_counter() - t, out
+
+    generate(8)
+    ttft = statistics.median(generate(1)[0] for _ in range(job["ttft_repeats"]))
+    wall, ids = generate(job["output_len"])
+    return {"load_s": load_s, "wall_s": wall, "output_tokens": len(ids),
+            "ttft_lone_ms": 1000 * ttft, "output_ids": [ids],
+            "llama_cpp_version": llama_cpp.__version__}
+
+
+def run_config(config: str, job: dict, args, tmp: Path) -> dict:
+    if config == "llama-cpp":
+        return bench_w2.run_child([sys.executable, __file__, "--llama-worker"], job, tmp,
+                                  "llama_cpp", args.timeout)
+    return bench_w2.run_config(config, job, args, tmp)
+
+
+def print_table(rows: list[dict], cpu: str) -> None:
+    ref = next((r["decode_tok_s"] for r in rows if r["config"] == "llama-cpp"
+                and "decode_tok_s" in r), None)
+    print(f"\nW1 (32-token prompt, 256 greedy tokens, ignore_eos) on {cpu}")
+    print("| config | decode tok/s | vs llama.cpp | TTFT 32 (ms) | total (s) | same ids as first |")
+    print("|---" * 6 + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | failed: {r['error'].splitlines()[0][:80]} ||||| ")
+            continue
+        ratio = f"{r['decode_tok_s'] / ref:.2f}x" if ref else "-"
+        print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {ratio} | {r['ttft_lone_ms']:.0f} |"
+              f" {r['wall_s']:.2f} | {r['same_ids']:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--llama-worker":
+        job = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(run_llama_cpp(job)))
+        return 0
+    p = bench_w2.build_parser()
+    p.description = __doc__.splitlines()[0]
+    p.set_defaults(configs=DEFAULT_CONFIGS, num_prompts=1, input_len=32, output_len=256,
+                   graph_bs=[1], output="w1_results.json")
+    args = p.parse_args(argv)
+    cpu, flags = bench_w2.host_cpu()
+    job = bench_w2.make_job(args)
+    job["prompts"] = [job["lone_prompt"]]  # the TTFT prompt is the W1 prompt
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench_w1_") as tmp_name:
+        for config in args.configs:
+            print(f"== {config}", flush=True)
+            row: dict[str, Any] = {"config": config}
+            try:
+                row.update(run_config(config, job, args, Path(tmp_name)))
+                decode_s = row["wall_s"] - row["ttft_lone_ms"] / 1000
+                row["decode_tok_s"] = (row["output_tokens"] - 1) / decode_s
+                first = next((r for r in rows if "output_ids" in r), row)
+                row["same_ids"] = bench_w2.same_share(row["output_ids"], first["output_ids"])
+                print(f"   {row['decode_tok_s']:.1f} decode tok/s", flush=True)
+            except Exception as e:  # one configuration failing must not lose the others
+                row["error"] = str(e)
+                print(f"   failed: {e}", flush=True)
+            rows.append(row)
+    print_table(rows, cpu)
+    result = {"workload": "W1: 32-token prompt, 256 greedy new tokens, ignore_eos",
+              "cpu": cpu, "cpu_features": [f for f in bench_w2.FEATURES if f in flags],
+              "threads": args.num_threads,
+              "note": "one run per configuration; shared machine unless stated",
+              "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.output}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
