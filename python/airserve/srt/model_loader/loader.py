@@ -64,12 +64,14 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str, device: str, cfg: ModelConfig) -> torch.dtype:
+    if device == "cpu" and dtype in ("auto", "bfloat16"):
+        # Activations, norms, attention and the KV cache stay float32 on CPU: torch's bf16
+        # matrix-vector products run at under half the fp32 speed on x86 hosts without AMX.
+        # bf16 (--dtype bfloat16, or auto where it is fast) is a matmul path of the linear
+        # layers for prefill and large batches: airserve.srt.layers.quant.matmul_paths.
+        return torch.float32
     if dtype != "auto":
         return getattr(torch, dtype)
-    if device == "cpu":
-        # torch's bf16 matrix-vector products run at under half the fp32 speed on x86 hosts
-        # without AMX, and decode is matrix-vector bound: fp32 is the faster default there.
-        return torch.float32
     if cfg.torch_dtype in ("float16", "bfloat16"):
         return getattr(torch, cfg.torch_dtype)
     return torch.bfloat16
@@ -93,6 +95,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
                packed_decode_max_bs: int = 0,
                keep_blocks: bool = False,
                decode_activations: str = "float32",
+               large_path: str = "float32",
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model and load its weights. A GGUF's block-quantized linear weights are also
     kept as blocks (cpu only) when `packed_decode_max_bs` > 0 (decode batches of up to that many
@@ -102,7 +105,10 @@ def load_model(model_path: str | None, dtype: str, device: str,
 
     Q4_0/Q4_1/Q8_0 layers keep a float32 copy beside their blocks for larger batches. The other
     packed types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are held only as blocks when the packed kernels
-    run: larger batches dequantize them a chunk at a time (`Linear._dequantized_linear`)."""
+    run: larger batches dequantize them a chunk at a time (`Linear._dequantized_linear`).
+
+    `large_path` (matmul_paths.PATHS; cpu) is how inputs above the packed limit multiply; a path
+    other than float32 replaces the float32 weights with its own form (bf16 or packed int8)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -125,13 +131,21 @@ def load_model(model_path: str | None, dtype: str, device: str,
     if gguf is not None and (packed_decode_max_bs or keep_blocks):
         max_rows = packed_rows(device, torch_dtype, packed_decode_max_bs)
     blocks_only: set[str] = set()
+    # Another large path builds its weights from the blocks: no float32 copy beside them.
+    split_blocks_only = bool(max_rows) and large_path != "float32"
     if max_rows:
         # Before the float weights load: these layers never get (or write) a float32 copy.
-        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, RAW_TYPES)
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, RAW_TYPES, True)
+    if split_blocks_only:
+        blocks_only |= attach_packed(model, gguf, max_rows, decode_activations, SPLIT_TYPES,
+                                     True)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
-        attach_packed(model, gguf, max_rows, decode_activations, SPLIT_TYPES)
+    if not split_blocks_only and (max_rows or (keep_blocks and gguf is not None
+                                               and device == "cpu")):
+        attach_packed(model, gguf, max_rows, decode_activations, SPLIT_TYPES, False)
+    if large_path != "float32":
+        set_large_path(model, large_path)
     logger.info("loaded %s (%s, %d layers) as %s on %s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device)
     return cfg, model
@@ -153,10 +167,10 @@ def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
 
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
-                  activations: str, types: tuple[str, ...]) -> set[str]:
-    """Give the model the blocks of its GGUF tensors of `types`; `RAW_TYPES` replace the float
-    weights. Returns the names of the tensors now held only as blocks."""
-    drop = types == RAW_TYPES
+                  activations: str, types: tuple[str, ...], drop: bool) -> set[str]:
+    """Give the model the blocks of its GGUF tensors of `types`; with `drop` they replace the
+    float weights (`RAW_TYPES` always: only the packed kernels read them). Returns the names of
+    the tensors now held only as blocks."""
     names: set[str] = set()
 
     def tracked():
@@ -172,3 +186,18 @@ def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
                     " (no float32 copy)" if drop else "", max_rows, activations)
     tied = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
     return {n for n in names if n != tied} if drop else set()
+
+
+def set_large_path(model: torch.nn.Module, path: str) -> int:
+    """Give every linear layer the weight form of `path` for inputs above the packed limit;
+    a weight shared with an embedding (tied lm_head) stays for the lookups. Returns how many
+    layers changed."""
+    from airserve.srt.layers.linear import Linear
+
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        tied = layer.weight is not None and layer.weight.data_ptr() in shared
+        layer.set_large_path(path, keep_float=tied)
+    logger.info("linear layers multiply inputs above the packed limit through %s", path)
+    return len(layers)
