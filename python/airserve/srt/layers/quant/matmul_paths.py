@@ -8,9 +8,10 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
   bfloat16   F.linear with bf16 weights and activations cast to bf16 per product, result cast
              back to float32 (oneDNN; avx512_bf16 or AMX make it ~2-3x float32; without them
              oneDNN emulates bf16 and it is slower than float32, so it is refused there).
-  w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized to uint8
-             per product (dynamic, one scale per input tensor), integer products in fbgemm
-             (AVX2 or AVX-512 kernels, chosen by fbgemm at run time).
+  w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
+             (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
+             AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
+             quantized tensors, which torch deprecates; a torch without them loses this path.
 
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).
@@ -104,9 +105,18 @@ _lib.define("w8a8_linear(Tensor x, int handle) -> Tensor")
 
 @torch.library.impl(_lib, "w8a8_linear", "CPU")
 def _w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    # fbgemm quantizes its whole input with one scale, which would make a row's result depend
+    # on the other rows of the batch (and on padding). Each row is scaled to max |x| = 1 first
+    # and one extra row [1, -1, 0, ...] pins the tensor's range to [-1, 1], so every row is
+    # quantized alone (per token) with the same step in any batch; the scale is undone after.
+    amax = x.abs().amax(1, keepdim=True).clamp(min=1e-30)
+    pin = x.new_zeros(1, x.shape[1])
+    pin[0, :2] = torch.tensor([1.0, -1.0])
     torch.backends.quantized.engine = "fbgemm"
     # reduce_range: 7-bit activations, so AVX2's u8 x s8 pair sums cannot saturate int16.
-    return torch.ops.quantized.linear_dynamic(x, _INT8_WEIGHTS[handle].packed, True)
+    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]),
+                                             _INT8_WEIGHTS[handle].packed, True)
+    return out[:-1] * amax
 
 
 @torch.library.register_fake("airserve::w8a8_linear")
