@@ -15,6 +15,8 @@ so a busy machine slows all alike), medians reported:
   fbgemm_int8    quantized::linear_dynamic, fbgemm engine: u8 activations per tensor (dynamic,
                  reduce_range), s8 per-channel weights
   onednn_int8    the same op with the onednn engine
+  w8a8_int8      airserve's --quantization w8a8_int8 (fbgemm_int8 with per-token activation
+                 scales: Linear.set_large_path)
   torchao_int8   torchao Int8DynamicActivationInt8WeightConfig (per-token int8), eager
   block_int8     airserve's block kernels, int8 activations per block of 32, 16 rows a call
   block_f32      airserve's block kernels, float32 activations, 16 rows a call
@@ -41,7 +43,7 @@ SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 30
           (576, 49152))
 LM_HEAD_MAX_ROWS = 256
 CANDIDATES = ("f32", "bf16", "f32_bf16w", "fp16w", "int8pack", "fbgemm_int8", "onednn_int8",
-              "torchao_int8", "block_int8", "block_f32")
+              "w8a8_int8", "torchao_int8", "block_int8", "block_f32")
 
 
 def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +92,15 @@ def _torchao_linear(w: torch.Tensor) -> Callable | None:
     return lin
 
 
+def _airserve_path(w: torch.Tensor, path: str) -> Callable:
+    from airserve.srt.layers.linear import Linear
+
+    layer = Linear(w.shape[1], w.shape[0], bias=False)
+    layer.weight.data = w.clone()
+    layer.set_large_path(path)
+    return layer
+
+
 def _blocks(packed, activations: str) -> Callable:
     from airserve.srt.layers.quant.block_matvec import MAX_ROWS, packed_linear
 
@@ -114,6 +125,7 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
             *_per_channel_int8(w)),
         "fbgemm_int8": _quantized_linear(w, "fbgemm"),
         "onednn_int8": _quantized_linear(w, "onednn"),
+        "w8a8_int8": _airserve_path(w, "w8a8_int8") if "w8a8_int8" in names else None,
         "torchao_int8": _torchao_linear(w) if "torchao_int8" in names else None,
         "block_int8": _blocks(packed, "int8"),
         "block_f32": _blocks(packed, "float32"),

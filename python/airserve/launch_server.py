@@ -29,8 +29,6 @@ SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--node-rank": ((0,), "multi-node serving is not supported"),
     "--dist-init-addr": ((), "multi-node serving is not supported"),
     "--enable-dp-attention": ((), "data-parallel attention is not supported"),
-    "--quantization": ((), "quantized weights are dequantized at load (GGUF); there is no "
-                           "runtime quantization"),
     "--kv-cache-dtype": (("auto",), "the KV cache uses the model dtype (see --dtype)"),
     "--enable-lora": ((), "LoRA adapters are not supported"),
     "--lora-paths": ((), "LoRA adapters are not supported"),

@@ -63,3 +63,13 @@ def test_bad_values_name_the_flag(capsys):
     assert "--device" in refused(["--device", "tpu"], capsys)
     assert "chunked_prefill_size=0" in refused(["--chunked-prefill-size", "0"], capsys)
     assert "--schedule-policy" in refused(["--schedule-policy", "lifo"], capsys)
+
+
+def test_matmul_path_flags(capsys):
+    from airserve.srt.layers.quant.matmul_paths import int8_available
+
+    if int8_available():
+        args = parse_args(["--quantization", "w8a8_int8"])
+        assert (args.quantization, args.resolved_large_path) == ("w8a8_int8", "w8a8_int8")
+    assert parse_args(["--dtype", "float32"]).resolved_large_path == "float32"
+    assert "--quantization" in refused(["--quantization", "fp8"], capsys)
