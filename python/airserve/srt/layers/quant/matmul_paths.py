@@ -34,13 +34,16 @@ QUANTIZATIONS = ("w8a8_int8",)  # --quantization values; None: the path follows 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
 
 # Fidelity of each path against float32 on the default model (Q4_1), teacher-forced prefill of
-# ~2,000 tokens of the packaged text: benchmark/kernels/fidelity.py --paths (top-1 agreement
-# >= 98% and perplexity within 1% to pass). `auto` picks only paths marked passed here;
-# test/srt/layers/test_matmul_paths.py runs the check on a short text and ties this table to it.
+# 1,992 scored tokens of the packaged text: benchmark/kernels/fidelity.py --paths (pass: top-1
+# agreement >= 98% and perplexity within 1%). `auto` picks only paths marked passed here
+# (test/srt/layers/test_matmul_paths.py). w8a8_int8 fails far off: one scale per token cannot
+# serve this model's outlier activation channels (7-bit steps sized by the outliers).
+# bfloat16 is not measured yet (it needs ~4x float32's time on a CPU without bf16), so `auto`
+# does not pick it; --dtype bfloat16 still runs it on CPUs with bf16 dot products.
 FIDELITY = {
-    "float32": {"passed": True},
-    "bfloat16": {"passed": False},
-    "w8a8_int8": {"passed": False},
+    "float32": {"passed": True},  # the reference (exact)
+    "bfloat16": {"passed": False, "measured": False},
+    "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
 }
 
 
