@@ -1,4 +1,13 @@
-"""Fidelity of the packed decode kernels: int8 activations against the exact float32 path.
+"""Fidelity of airserve's inexact CPU paths against the exact float32 ones.
+
+Two checks, both teacher-forced over ~2,000 tokens of the packaged text, both passing at top-1
+agreement >= 98% and perplexity within 1% of float32:
+
+- `--paths bfloat16 w8a8_int8`: the matmul paths of prefill and large batches
+  (layers/quant/matmul_paths.py). The text is split into sequences of `--seq-len` tokens, each
+  prefilled in one forward pass with every position's logits, so every linear layer (lm_head
+  too) multiplies through the path; compared with the float32 path on the same model.
+- default: int8 activations of the packed decode kernels, below.
 
 For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
 requantizing its dequantized weights: `gguf_quantize.SCHEMES`), the text (~2,000 tokens of the
@@ -8,6 +17,7 @@ with the float32-activation run on the same weights, and both perplexities.
 Pass: agreement >= 98% and perplexity within 1%.
 
     python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
+    python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 [--seq-len 250] [--json F]
 """
 
 from __future__ import annotations
@@ -151,6 +161,94 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
             "passed": all(r["passed"] for r in rows)}
 
 
+@torch.inference_mode()
+def teacher_forced_prefill(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill each sequence in one forward pass with every position's logits. Returns the
+    greedy token and the log-probability of the true next token at every position but the
+    last: [len(seqs), len - 1]."""
+    from airserve.srt.forward_batch import ForwardMode
+
+    alloc, pool = runner.allocator, runner.req_to_token_pool
+    top1, logp = [], []
+    for seq in seqs:
+        slot, n = pool.allocate(), len(seq)
+        fb = runner.make_forward_batch(
+            ForwardMode.EXTEND, input_ids=seq, positions=range(n), req_pool_indices=[slot],
+            seq_lens=[n], out_cache_loc=alloc.allocate(slot, 0, n), extend_seq_lens=[n],
+            extend_prefix_lens=[0], last_token_indices=[n - 1], return_all_logits=True)
+        logits = runner.forward(fb).float()[:-1]
+        top1.append(logits.argmax(-1))
+        logp.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0])
+        alloc.free(slot, n)
+        pool.free(slot)
+    return torch.stack(top1), torch.stack(logp)
+
+
+def compare(ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]
+            ) -> dict:
+    """Top-1 agreement and perplexities of `got` (top1, logp) against `ref`, and the verdict."""
+    ref_ppl, ppl = (math.exp(-logp.mean().item()) for _, logp in (ref, got))
+    agree = (got[0] == ref[0]).float().mean().item()
+    change = abs(ppl / ref_ppl - 1)
+    return {"tokens": int(got[0].numel()), "ppl_float32": ref_ppl, "ppl": ppl,
+            "ppl_change": change, "top1_agreement": agree,
+            "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE}
+
+
+def make_path_runner(model_path: str | None, n_seqs: int, seq_len: int):
+    """A ModelRunner over a GGUF model (default: the packaged one), float32 path, packed
+    decode kernels on as served (their limit is far below `seq_len`)."""
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.model_loader.loader import load_model
+    from airserve.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_path, dtype="float32", max_running_requests=n_seqs,
+                      max_total_tokens=n_seqs * (seq_len + 8))
+    cfg, model = load_model(model_path, "float32", "cpu", None, args.packed_decode_max_bs)
+    return ModelRunner(args, model_config=cfg, model=model)
+
+
+def compare_paths(runner, seqs: list[list[int]], paths: list[str]) -> list[dict]:
+    """Each of `paths` against the float32 path on `runner`'s model (left on float32)."""
+    from airserve.srt.model_loader.loader import set_large_path
+
+    ref = teacher_forced_prefill(runner, seqs)
+    rows = []
+    for path in paths:
+        t0 = time.perf_counter()
+        set_large_path(runner.model, path)
+        row = {"path": path, **compare(ref, teacher_forced_prefill(runner, seqs)),
+               "weight_mib": weight_mib(runner.model), "seconds": time.perf_counter() - t0}
+        rows.append(row)
+        print(f"{path}: top-1 {row['top1_agreement']:.2%}, perplexity {row['ppl_float32']:.3f} "
+              f"-> {row['ppl']:.3f}", flush=True)
+    set_large_path(runner.model, "float32")
+    return rows
+
+
+def check_paths(paths: list[str], n_tokens: int, seq_len: int) -> dict:
+    """The matmul paths' check on the default model over `n_tokens` of the packaged text."""
+    from airserve.srt.model_loader.loader import default_model_path
+    from airserve.srt.tokenizer import get_tokenizer
+
+    tokens = list(get_tokenizer(default_model_path()).encode(packaged_text()))[:n_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    seqs = split(tokens, max(1, n_tokens // seq_len))
+    rows = compare_paths(make_path_runner(None, len(seqs), len(seqs[0])), seqs, paths)
+    return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "passed": {r["path"]: r["passed"] for r in rows}}
+
+
+def print_path_table(report: dict) -> None:
+    print(f"{'path':10} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7}  pass")
+    for r in report["rows"]:
+        print(f"{r['path']:10} {r['tokens']:6d} {r['ppl_float32']:8.3f} {r['ppl']:8.3f} "
+              f"{r['ppl_change']:7.2%} {r['top1_agreement']:7.2%}  "
+              f"{'yes' if r['passed'] else 'NO'}")
+
+
 def print_table(report: dict) -> None:
     print(f"{'type':8} {'isa':12} {'tokens':>6} {'ppl f32':>8} {'ppl int8':>8} {'change':>7} "
           f"{'top-1':>6} {'weights':>9}  pass")
@@ -171,9 +269,17 @@ def main() -> None:
                    help="int8 on every instruction set this CPU has, not only the best")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--paths", nargs="+", default=None, choices=("bfloat16", "w8a8_int8"),
+                   help="check these prefill / large-batch matmul paths instead")
+    p.add_argument("--seq-len", type=int, default=250, help="tokens per sequence (--paths)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.paths:
+        report = check_paths(a.paths, a.tokens, a.seq_len)
+        print_path_table(report)
+        _write(a.json, report)
+        raise SystemExit(0 if all(report["passed"].values()) else 1)
     from airserve.srt.layers.quant import block_matvec
 
     if not block_matvec.kernels_available():
@@ -181,10 +287,14 @@ def main() -> None:
     report = check(a.schemes, a.tokens, a.batch,
                    block_matvec.int8_isas() if a.all_isas else None)
     print_table(report)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+    _write(a.json, report)
     raise SystemExit(0 if report["passed"] else 1)
+
+
+def _write(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ generation of the prompt (TTFT) and the time of the full 256-token generation; d
 
 - `airserve:<eager|compile|openvino>` and `served:<mode>`: as in bench_w2.py (offline Engine,
   or `launch_server` with the requests posted to /generate); the graph runners capture bs 1;
-- `llama-cpp`: llama-cpp-python (`pip install -e ".[peers]"`; it builds llama.cpp from source) on the
-  default model's GGUF, flash attention on, the KV cache reset before every generation.
+- `llama-cpp`: llama-cpp-python (`pip install -e ".[peers]"`; it builds llama.cpp from
+  source) on the default model's GGUF, flash attention on, the KV cache reset before every
+  generation.
 
 Prints a table (ratio against llama.cpp) and writes JSON. On a shared machine run it when the
 machine is quiet; one run per configuration.

@@ -5,6 +5,8 @@ tokens each with `ignore_eos`, all submitted at once. Each configuration runs in
 one after another (never two at once on the same cores), with the same thread count:
 
 - `airserve:<mode>`: the offline Engine (`eager`, `compile` = CPU graph runner, `openvino`);
+  `airserve:<mode>+<path>` sets the matmul path of prefill and large batches (`float32`,
+  `bfloat16`, `w8a8_int8`; without it, `auto` for this CPU);
 - `served:<mode>`: `launch_server` in that mode, all requests posted to /generate at once;
 - `ov-genai:<fp32|int8>`: OpenVINO GenAI's ContinuousBatchingPipeline on the default model
   exported to IR (`bash scripts/setup_ov_genai.sh` makes the venv and the export; pass its python
@@ -42,6 +44,13 @@ MODES: dict[str, dict[str, Any]] = {
     "compile": {"enable_torch_compile": True},
     "openvino": {"enable_torch_compile": True, "torch_compile_backend": "openvino"},
 }
+# The flags of each matmul path (layers/quant/matmul_paths.py).
+PATH_ARGS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "w8a8_int8": {"quantization": "w8a8_int8"},
+}
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]
 
@@ -61,8 +70,8 @@ def make_job(args: argparse.Namespace) -> dict:
             "threads": args.num_threads, "ttft_repeats": args.ttft_repeats}
 
 
-def server_args_for(mode: str, args: argparse.Namespace) -> dict:
-    kwargs = dict(MODES[mode])
+def server_args_for(mode: str, args: argparse.Namespace, path: str = "auto") -> dict:
+    kwargs = dict(MODES[mode], **PATH_ARGS[path])
     kwargs["num_threads"] = args.num_threads
     kwargs["max_running_requests"] = args.num_prompts
     if kwargs.get("enable_torch_compile"):
@@ -213,7 +222,7 @@ def run_child(cmd: list[str], job: dict, tmp: Path, name: str, timeout: float) -
 def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path) -> dict:
     kind, _, variant = config.partition(":")
     job = dict(base_job)
-    name = config.replace(":", "_")
+    name = config.replace(":", "_").replace("+", "_")
     if kind == "ov-genai":
         if not args.ov_python:
             raise RuntimeError("--ov-python is not set (bash scripts/setup_ov_genai.sh)")
@@ -222,9 +231,12 @@ def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path)
                    kv_cache_gb=args.ov_kv_cache_gb, precision=args.ov_precision)
         worker = str(Path(__file__).with_name("ov_genai_worker.py"))
         return run_child([args.ov_python, worker], job, tmp, name, args.timeout)
+    variant, _, path = variant.partition("+")
     if variant not in MODES:
         raise RuntimeError(f"unknown airserve mode {variant!r}; choose from {sorted(MODES)}")
-    job["server_args"] = server_args_for(variant, args)
+    if path and path not in PATH_ARGS:
+        raise RuntimeError(f"unknown matmul path {path!r}; choose from {sorted(PATH_ARGS)}")
+    job["server_args"] = server_args_for(variant, args, path or "auto")
     if kind == "airserve":
         cmd = [sys.executable, __file__, "--worker"]
         return run_child(cmd, job, tmp, name, args.timeout)

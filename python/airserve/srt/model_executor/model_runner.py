@@ -64,7 +64,8 @@ class ModelRunner:
                                              args.context_length,
                                              args.resolved_packed_decode_max_bs,
                                              args.openvino_packed_weights,
-                                             args.cpu_decode_activations, self.tp)
+                                             args.cpu_decode_activations, tp=self.tp,
+                                             large_path=args.resolved_large_path)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
@@ -252,7 +253,7 @@ class ModelRunner:
         """Which decode kernels this model uses: packed GGUF weights (up to which batch size,
         how many layers of each kind), C++ decode attention, and why not where not."""
         from airserve.srt.layers import cpu_kernels
-        from airserve.srt.layers.linear import Linear, packed_report
+        from airserve.srt.layers.linear import Linear, matmul_path_report, packed_report
 
         layers = [m for m in self.model.modules() if isinstance(m, Linear)]
         packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
@@ -267,6 +268,7 @@ class ModelRunner:
             "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32,
         }
         report.update(packed_report(layers))
+        report["matmul_paths"] = matmul_path_report(layers)
         if cpu_kernels.unavailable_reason():
             report["cpu_kernels_error"] = cpu_kernels.unavailable_reason()
         return report

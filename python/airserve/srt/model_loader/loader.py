@@ -65,12 +65,14 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str, device: str, cfg: ModelConfig) -> torch.dtype:
+    if device == "cpu" and dtype in ("auto", "bfloat16"):
+        # Activations, norms, attention and the KV cache stay float32 on CPU: torch's bf16
+        # matrix-vector products run at under half the fp32 speed on x86 hosts without AMX.
+        # bf16 (--dtype bfloat16, or auto where it is fast) is a matmul path of the linear
+        # layers for prefill and large batches: airserve.srt.layers.quant.matmul_paths.
+        return torch.float32
     if dtype != "auto":
         return getattr(torch, dtype)
-    if device == "cpu":
-        # torch's bf16 matrix-vector products run at under half the fp32 speed on x86 hosts
-        # without AMX, and decode is matrix-vector bound: fp32 is the faster default there.
-        return torch.float32
     if cfg.torch_dtype in ("float16", "bfloat16"):
         return getattr(torch, cfg.torch_dtype)
     return torch.bfloat16
@@ -95,6 +97,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
                keep_blocks: bool = False,
                decode_activations: str = "float32",
                tp: TPGroup = SINGLE,
+               large_path: str = "float32",
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model (this rank's shard of it under tensor parallelism) and load its weights.
     A GGUF's block-quantized linear weights are also kept as blocks (cpu only) when
@@ -106,7 +109,11 @@ def load_model(model_path: str | None, dtype: str, device: str,
     Q4_0/Q4_1/Q8_0 layers keep a float32 copy beside their blocks for larger batches. A layer
     with blocks of another packed type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is held only as blocks
     when the packed kernels run: larger batches dequantize them a chunk at a time
-    (`Linear._dequantized_linear`)."""
+    (`Linear._dequantized_linear`).
+
+    `large_path` (matmul_paths.PATHS; cpu) is how inputs above the packed limit multiply; a path
+    other than float32 replaces the float32 weights with its own form (bf16 or packed int8),
+    built from the blocks: those layers never load a float32 copy."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -129,12 +136,16 @@ def load_model(model_path: str | None, dtype: str, device: str,
     if gguf is not None and (packed_decode_max_bs or keep_blocks):
         max_rows = packed_rows(device, torch_dtype, packed_decode_max_bs)
     blocks_only: set[str] = set()
+    # Another large path builds its weights from the blocks: no float32 copy beside them.
+    drop_all = bool(max_rows) and large_path != "float32"
     if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
         # Before the float weights load: layers held as blocks only never get a float32 copy.
         types = (*SPLIT_TYPES, *RAW_TYPES) if max_rows else SPLIT_TYPES
-        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types)
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
+    if large_path != "float32":
+        set_large_path(model, large_path)
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device,
                 f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
@@ -157,12 +168,14 @@ def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
 
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
-                  activations: str, types: tuple[str, ...]) -> set[str]:
+                  activations: str, types: tuple[str, ...], drop_all: bool = False) -> set[str]:
     """Give the model the blocks of its GGUF tensors of `types` (q/k/v and gate/up merged);
-    a layer with blocks of a `RAW_TYPES` type holds no float weight. Returns the names of the
-    tensors now held only as blocks (their float values are never read)."""
+    a layer with blocks of a `RAW_TYPES` type holds no float weight, nor (with `drop_all`) does
+    any other layer but a tied lm_head. Returns the names of the tensors now held only as
+    blocks (their float values are never read)."""
     kinds, dropped = model.attach_packed_weights(gguf.packed_tensors(types), max_rows,
-                                                 activations, drop_raw=bool(max_rows))
+                                                 activations, drop_raw=bool(max_rows),
+                                                 drop_all=drop_all)
     if kinds:
         logger.info("kept GGUF blocks of %s%s; decode batches of <= %d rows multiply with them "
                     "(%s activations)", ", ".join(f"{n} {k} segments" for k, n in
@@ -170,3 +183,18 @@ def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
                     f" ({len(dropped)} tensors with no float32 copy)" if dropped else "",
                     max_rows, activations)
     return dropped
+
+
+def set_large_path(model: torch.nn.Module, path: str) -> int:
+    """Give every linear layer the weight form of `path` for inputs above the packed limit;
+    a weight shared with an embedding (tied lm_head) stays for the lookups. Returns how many
+    layers changed."""
+    from airserve.srt.layers.linear import Linear
+
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        tied = layer.weight is not None and layer.weight.data_ptr() in shared
+        layer.set_large_path(path, keep_float=tied)
+    logger.info("linear layers multiply inputs above the packed limit through %s", path)
+    return len(layers)

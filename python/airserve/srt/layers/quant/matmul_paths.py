@@ -1,0 +1,150 @@
+"""How a linear layer multiplies inputs above the packed decode limit (prefill, large batches).
+
+Small decode batches multiply with the GGUF blocks as stored (`block_matvec`); they are
+bandwidth-bound. Larger inputs are compute-bound, and the fastest way to multiply them depends
+on the CPU. A layer holds the weight form of one of these paths (`Linear.set_large_path`):
+
+  float32    F.linear over float32 weights (oneDNN/MKL sgemm). Exact; always available.
+  bfloat16   F.linear with bf16 weights and activations cast to bf16 per product, result cast
+             back to float32 (oneDNN; avx512_bf16 or AMX make it ~2-3x float32; without them
+             oneDNN emulates bf16 and it is slower than float32, so it is refused there).
+  w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
+             (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
+             AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
+             quantized tensors, which torch deprecates; a torch without them loses this path.
+
+`choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
+path measured for the CPU whose fidelity passed (`FIDELITY`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("float32", "bfloat16", "w8a8_int8")
+QUANTIZATIONS = ("w8a8_int8",)  # --quantization values; None: the path follows --dtype
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
+
+# Fidelity of each path against float32 on the default model (Q4_1), teacher-forced prefill of
+# 1,992 scored tokens of the packaged text: benchmark/kernels/fidelity.py --paths (pass: top-1
+# agreement >= 98% and perplexity within 1%; measured on an AVX2 CPU, where oneDNN emulates
+# bf16 with the same rounding). `auto` picks only paths marked passed here
+# (test/srt/layers/test_matmul_paths.py). w8a8_int8 fails far off: one scale per token cannot
+# serve this model's outlier activation channels (7-bit steps sized by the outliers).
+FIDELITY = {
+    "float32": {"passed": True},  # the reference (exact)
+    "bfloat16": {"passed": True, "top1_agreement": 0.9859, "ppl_change": 0.0033},
+    "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
+}
+
+
+def cpu_has_bf16(flags: frozenset[str]) -> bool:
+    return any(f in flags for f in BF16_FLAGS)
+
+
+def int8_available() -> bool:
+    """Whether torch has fbgemm here (x86 with AVX2 or better)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str]) -> str:
+    """The path of products above the packed limit for --dtype, --quantization and a CPU with
+    `flags`. Raises ValueError naming the fix when the CPU cannot run the requested path."""
+    if quantization == "w8a8_int8":
+        if not int8_available():
+            raise ValueError("--quantization w8a8_int8 needs torch's fbgemm int8 kernels (an x86 "
+                             "CPU with AVX2); this torch has none: drop --quantization")
+        return "w8a8_int8"
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization}: choose one of {QUANTIZATIONS}")
+    if dtype == "bfloat16":
+        if not cpu_has_bf16(flags):
+            raise ValueError("--dtype bfloat16 on this CPU: it has no bf16 dot products "
+                             f"({' or '.join(BF16_FLAGS)}), so bf16 matmuls would run slower "
+                             "than float32; use --dtype float32 (or auto)")
+        return "bfloat16"
+    if dtype in ("float32", "float16"):
+        return "float32"
+    return auto_path(flags)
+
+
+def auto_path(flags: frozenset[str]) -> str:
+    """The fastest path on a CPU with `flags` among those whose fidelity passed."""
+    ranked = ["bfloat16"] if cpu_has_bf16(flags) else []
+    if int8_available():
+        ranked.append("w8a8_int8")
+    ranked.append("float32")
+    return next(p for p in ranked if FIDELITY[p]["passed"])
+
+
+@dataclass
+class Int8Weight:
+    """A [N, K] weight as fbgemm's packed int8 (per output channel) and its shape."""
+
+    packed: object  # torch.classes.quantized.LinearPackedParamsBase
+    out_features: int
+    nbytes: int
+    handle: int = -1
+
+
+# The packed int8 weights by the handle each layer passes to airserve::w8a8_linear (the
+# operator takes tensors and ints only, so compiled graphs call it like any other op). The
+# layer holds its Int8Weight; the entry goes when the layer does.
+_INT8_WEIGHTS: weakref.WeakValueDictionary[int, Int8Weight] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+_lib = torch.library.Library("airserve", "FRAGMENT")
+_lib.define("w8a8_linear(Tensor x, int handle) -> Tensor")
+
+
+@torch.library.impl(_lib, "w8a8_linear", "CPU")
+def _w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    # fbgemm quantizes its whole input with one scale, which would make a row's result depend
+    # on the other rows of the batch (and on padding). Each row is scaled to max |x| = 1 first
+    # and one extra row [1, -1, 0, ...] pins the tensor's range to [-1, 1], so every row is
+    # quantized alone (per token) with the same step in any batch; the scale is undone after.
+    amax = x.abs().amax(1, keepdim=True).clamp(min=1e-30)
+    pin = x.new_zeros(1, x.shape[1])
+    pin[0, :2] = torch.tensor([1.0, -1.0])
+    torch.backends.quantized.engine = "fbgemm"
+    # reduce_range: 7-bit activations, so AVX2's u8 x s8 pair sums cannot saturate int16.
+    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]),
+                                             _INT8_WEIGHTS[handle].packed, True)
+    return out[:-1] * amax
+
+
+@torch.library.register_fake("airserve::w8a8_linear")
+def _w8a8_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _INT8_WEIGHTS[handle].out_features)
+
+
+def pack_int8(weight: torch.Tensor) -> Int8Weight:
+    """Quantize a float [N, K] weight to int8 per output channel (symmetric, scale max|w|/127)
+    and pack it for fbgemm; the caller keeps the result, `w8a8_linear` takes its handle."""
+    if not int8_available():
+        raise RuntimeError("torch has no fbgemm engine here: w8a8_int8 is unavailable")
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm packs from one
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
+        qw = torch._make_per_channel_quantized_tensor(
+            q, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0)
+    torch.backends.quantized.engine = "fbgemm"
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    weight_int8 = Int8Weight(packed, w.shape[0], q.numel() + 8 * w.shape[0], next(_handles))
+    _INT8_WEIGHTS[weight_int8.handle] = weight_int8
+    return weight_int8
+
+
+def w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x float32 [M, K] -> [M, N] through the packed int8 weight `handle`."""
+    return torch.ops.airserve.w8a8_linear(x, handle)

@@ -1,0 +1,116 @@
+"""The matmul paths of prefill and large batches (layers/quant/matmul_paths.py): each path
+against a float64 reference, the per-rows dispatch of Linear, what each path keeps in memory,
+and how --dtype / --quantization / auto resolve on a CPU (and are refused where it lacks them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.hardware import host_cpu
+from airserve.srt.layers.linear import Linear, matmul_path_report
+from airserve.srt.layers.quant import block_matvec, matmul_paths
+from airserve.srt.layers.quant.matmul_paths import FIDELITY, choose_large_path
+from airserve.srt.server_args import ServerArgs
+from airserve_testing.tiny_gguf import random_packed
+
+# Relative error (Frobenius norm) of x @ w.T + b against float64 on Gaussian x and w:
+# float32 sums in float32 (~1e-7 per product); bfloat16 rounds x and w to 8 significant bits
+# (~3e-3) and accumulates in float32; w8a8_int8 rounds w to 127 levels per output channel and
+# x to 7 bits per tensor (fbgemm's reduce_range on AVX2), ~2e-2.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "w8a8_int8": 5e-2}
+SHAPES = [(9, 64, 40), (33, 576, 192), (300, 96, 200)]  # (rows, K, N)
+NEEDS_INT8 = pytest.mark.skipif(not matmul_paths.int8_available(),
+                                reason="torch has no fbgemm engine on this machine")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("path", ["float32", "bfloat16",
+                                  pytest.param("w8a8_int8", marks=NEEDS_INT8)])
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_path_against_float64(path, rows, k, n):
+    torch.manual_seed(rows + k + n)
+    layer = Linear(k, n, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        layer.bias.normal_(0, 0.05)
+    w, b = layer.weight.double().clone(), layer.bias.double().clone()
+    layer.set_large_path(path)
+    x = torch.randn(rows, k)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    err = relative_error(out, x.double() @ w.T + b)
+    assert err < TOLERANCE[path], err
+    if path != "float32":
+        assert err > 1e-6, "the path did not run (exact result)"
+        assert layer.weight is None  # no float32 copy beside the path's weight
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("path", ["bfloat16", "w8a8_int8"])
+def test_dispatch_per_rows_and_weights_from_blocks(path):
+    """Up to packed_max_rows the blocks; above, the path, its weight built from the blocks."""
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    packed = random_packed("q4_1", 48, 64)
+    layer = Linear(64, 48, bias=False)
+    layer.attach_packed(packed, 4, drop_weight=True)
+    layer.set_large_path(path)
+    assert [layer.path_for(r) for r in (1, 4, 5, 64)] == ["packed"] * 2 + [path] * 2
+    w = packed.dequantize().double()
+    small, large = torch.randn(4, 64), torch.randn(20, 64)
+    assert relative_error(layer(small), small.double() @ w.T) < 1e-5
+    assert 1e-6 < relative_error(layer(large), large.double() @ w.T) < TOLERANCE[path]
+    assert layer.weight_bytes(4) == packed.nbytes
+    assert layer.weight_bytes(5) < 64 * 48 * 4 / 1.9  # bf16 or int8, not float32
+    report = matmul_path_report([layer])
+    assert report == [{"rows": "1-4", "path": "packed"}, {"rows": "5+", "path": path}]
+
+
+def test_tied_weight_stays_and_unknown_path_is_refused():
+    layer = Linear(64, 32, bias=False)
+    layer.set_large_path("bfloat16", keep_float=True)
+    assert layer.weight is not None and layer.weight_bf16.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        layer.set_large_path("int4")
+
+
+def test_resolution_per_cpu_flags():
+    bf16_cpu, avx2_cpu = frozenset({"avx2", "avx512_bf16"}), frozenset({"avx2", "fma"})
+    assert choose_large_path("float32", None, bf16_cpu) == "float32"
+    assert choose_large_path("bfloat16", None, bf16_cpu) == "bfloat16"
+    assert choose_large_path("bfloat16", None, frozenset({"amx_bf16"})) == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype float32"):
+        choose_large_path("bfloat16", None, avx2_cpu)
+    if matmul_paths.int8_available():
+        assert choose_large_path("float32", "w8a8_int8", avx2_cpu) == "w8a8_int8"
+    for flags in (bf16_cpu, avx2_cpu):
+        chosen = choose_large_path("auto", None, flags)
+        assert FIDELITY[chosen]["passed"], chosen  # auto never picks a path that failed
+    expected = "bfloat16" if FIDELITY["bfloat16"]["passed"] else None
+    if expected:
+        assert choose_large_path("auto", None, bf16_cpu) == expected
+
+
+def test_server_args_resolve_on_this_cpu():
+    flags = host_cpu()[1]
+    assert ServerArgs(dtype="float32").resolved_large_path == "float32"
+    assert ServerArgs().resolved_large_path == choose_large_path("auto", None, flags)
+    if matmul_paths.cpu_has_bf16(flags):
+        assert ServerArgs(dtype="bfloat16").resolved_large_path == "bfloat16"
+    else:
+        with pytest.raises(ValueError, match="no bf16 dot products"):
+            ServerArgs(dtype="bfloat16")
+    if matmul_paths.int8_available():
+        assert ServerArgs(quantization="w8a8_int8").resolved_large_path == "w8a8_int8"
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        ServerArgs(quantization="fp8")
+    with pytest.raises(ValueError, match="cpu only"):
+        ServerArgs(device="npu", quantization="w8a8_int8")
+    # OpenVINO graphs take their own weights: the path stays float32 under that runner.
+    ov = ServerArgs(dtype="float32", enable_torch_compile=True, torch_compile_backend="openvino")
+    assert ov.resolved_large_path == "float32"

@@ -1,0 +1,84 @@
+"""CPUGraphRunner buckets above --packed-decode-max-bs run the large-batch matmul path
+(w8a8_int8 here: the path this CPU family can run) and match eager on the same path; buckets at
+or below the limit keep the packed kernels. Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.layers import cpu_kernels
+from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.quant import matmul_paths
+from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side
+from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
+
+# Same path on both sides; inductor reorders the float work around the int8 products.
+ATOL = 1e-4
+PACKED_LIMIT = 2
+BUCKETS = (2, 4)
+
+pytestmark = pytest.mark.skipif(not matmul_paths.int8_available(),
+                                reason="torch has no fbgemm engine on this machine")
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory):
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
+    path = str(tmp_path_factory.mktemp("paths") / "tiny.gguf")
+    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
+    common = dict(packed_decode_max_bs=PACKED_LIMIT)
+    eager = make_runner(path, quantization="w8a8_int8", **common)
+    graph = make_runner(path, runner_from=eager, quantization="w8a8_int8",
+                        enable_torch_compile=True, cuda_graph_bs=BUCKETS, **common)
+    assert isinstance(graph.graph_runner, CPUGraphRunner)
+    return graph, eager, make_runner(path, dtype="float32", **common)
+
+
+def test_paths_per_rows_and_report(runners):
+    graph, _, _ = runners
+    layers = [m for m in graph.model.modules() if isinstance(m, Linear)]
+    assert all(m.path_for(PACKED_LIMIT) == "packed" for m in layers)
+    assert all(m.path_for(BUCKETS[1]) == "w8a8_int8" for m in layers)
+    assert graph.kernels_report()["matmul_paths"] == [
+        {"rows": f"1-{PACKED_LIMIT}", "path": "packed"},
+        {"rows": f"{PACKED_LIMIT + 1}+", "path": "w8a8_int8"}]
+    # Only the tied lm_head (the embedding's weight) keeps float32 values.
+    assert sum(m.weight is not None for m in layers) == 1
+
+
+def ops_run(fn) -> set[str]:
+    """Names of the airserve operators `fn` calls (compiled graphs call them too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("airserve::")}
+
+
+@pytest.mark.parametrize("bs", [2, 3, 4])
+def test_buckets_match_eager_on_the_same_path(runners, bs):
+    graph, eager, _ = runners
+    replays = graph.graph_runner.replay_count
+    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
+    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
+    assert graph.graph_runner.replay_count == replays + 6
+    torch.testing.assert_close(lg, le, atol=ATOL, rtol=0)
+    assert torch.equal(tg, te)
+    # One more replay, profiled: the bucket's products are int8 above the packed limit.
+    ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
+    assert graph.graph_runner.replay_count == replays + 7
+    assert ("airserve::w8a8_linear" in ops) == (bs > PACKED_LIMIT), ops
+    assert ("airserve::q4_1_matmul" in ops) == (bs <= PACKED_LIMIT), ops
+    for r in reqs:
+        r.release()
+
+
+def test_float32_runner_differs(runners):
+    """The int8 path changes numerics (so the comparison above is not float32 twice)."""
+    _, eager, float32 = runners
+    prompts = random_prompts(eager.model_config.vocab_size, [7, 11, 6])
+    a, b = Requests(eager, prompts), Requests(float32, prompts)
+    assert (a.prefill_logits - b.prefill_logits).abs().max() > ATOL
+    a.release()
+    b.release()
