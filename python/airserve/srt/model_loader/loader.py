@@ -189,9 +189,11 @@ def set_large_path(model: torch.nn.Module, path: str) -> int:
     """Give every linear layer the weight form of `path` for inputs above the packed limit;
     a weight shared with an embedding (tied lm_head) stays for the lookups. Returns how many
     layers changed."""
+    from airserve.srt.layers.embedding import VocabParallelEmbedding
     from airserve.srt.layers.linear import Linear
 
-    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared

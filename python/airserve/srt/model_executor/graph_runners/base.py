@@ -90,6 +90,20 @@ def configure_compile_cache(cache_dir: str | None) -> None:
     inductor_config.fx_graph_cache = True
 
 
+def live_graph_entries(fn: Callable) -> int:
+    """Compiled entries dynamo still holds for `fn`'s code, after collecting dead runners (their
+    entries count against the recompile limit until their guarded objects are freed)."""
+    import gc
+
+    from torch._dynamo import eval_frame
+
+    gc.collect()
+    code = getattr(fn, "__code__", None)
+    if code is None or not hasattr(eval_frame, "_debug_get_cache_entry_list"):
+        return 0
+    return len(eval_frame._debug_get_cache_entry_list(code))
+
+
 def raise_recompile_limit(num_graphs: int) -> None:
     """Let dynamo keep `num_graphs` compiled entries of one function (default 8)."""
     import torch._dynamo.config as dynamo_config
@@ -197,7 +211,10 @@ class GraphRunner(ABC):
     @torch.inference_mode()
     def capture(self) -> None:
         # Past dynamo's recompile limit a compiled function silently runs eager.
-        raise_recompile_limit(self.max_compiled_graphs())
+        # Other runners of this process (tests, TP ranks' siblings) may still hold entries of the
+        # same code object; they count against the per-function limit.
+        raise_recompile_limit(self.max_compiled_graphs()
+                              + live_graph_entries(type(self).forward_static))
         before = self.memory_in_use()
         # Largest first: later graphs reuse its memory. One console bar step per bucket.
         bar = tqdm(list(reversed(self.buckets)), desc=f"{type(self).__name__} capture",
