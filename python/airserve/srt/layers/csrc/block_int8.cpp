@@ -27,6 +27,7 @@
 #endif
 
 #include "block_f32.h"
+#include "isa_select.h"
 #include "block_unpack.h"
 
 namespace {
@@ -136,22 +137,11 @@ RunFn isa_fn(int isa) {
   }
 }
 
-int best_isa() {
-  for (int i = 0; i < 4; ++i)
-    if (isa_supported(i)) return i;
-  return 3;
-}
-
+constexpr int kIsaCount = 4;  // entries of kIsaNames
 std::atomic<int> g_isa{-1};
 
-int current_isa() {
-  int isa = g_isa.load();
-  if (isa < 0) {
-    isa = best_isa();
-    g_isa.store(isa);
-  }
-  return isa;
-}
+int best_isa() { return airserve_isa::best(kIsaCount, isa_supported); }
+int current_isa() { return airserve_isa::current(g_isa, kIsaCount, isa_supported); }
 
 Kind parse_kind(const std::string& s, const char* op) {
   static const char* names[] = {"q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};

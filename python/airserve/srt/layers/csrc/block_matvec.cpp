@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "block_f32.h"
+#include "isa_select.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -89,22 +90,11 @@ RunFn isa_fn(int isa) {
   return f32_scalar::run;
 }
 
-int best_isa() {
-  for (int i = 0; i < 3; ++i)
-    if (isa_supported(i)) return i;
-  return 2;
-}
-
+constexpr int kIsaCount = 3;  // entries of kIsaNames
 std::atomic<int> g_isa{-1};
 
-int current_isa() {
-  int isa = g_isa.load();
-  if (isa < 0) {
-    isa = best_isa();
-    g_isa.store(isa);
-  }
-  return isa;
-}
+int best_isa() { return airserve_isa::best(kIsaCount, isa_supported); }
+int current_isa() { return airserve_isa::current(g_isa, kIsaCount, isa_supported); }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                   int64_t packed_per_row, const char* name) {
