@@ -36,9 +36,22 @@ def reference(q, k_cache, v_cache, slots_per_row, scale):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("lens", [[7], [5, 40, 17], [1, 33]])
 def test_matches_dense_reference_and_writes_only_out_cache_loc(op, page_size, lens):
+    check_against_reference(op, page_size, lens, heads=6, kv_heads=2, dim=16, scale=0.25)
+
+
+@pytest.mark.parametrize("op", ["torch", "cpp"])
+@pytest.mark.parametrize("scale", [0.125, 3.0])
+def test_model_sized_heads_and_long_rows(op, scale):
+    # The default model's head shape (9 query heads over 3 KV heads of 64) with rows longer than
+    # the vector loops' width; scale 3 spreads the scores past e^-87 (the vector exp's floor).
+    check_against_reference(op, 16, [300, 9, 64], heads=9, kv_heads=3, dim=64, scale=scale)
+
+
+def check_against_reference(op, page_size, lens, heads, kv_heads, dim, scale):
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = 6, 2, 16
-    pages, max_blocks = 160 // page_size + 1, -(-64 // page_size)  # room for every row
+    width = max(64, max(lens))
+    pages = (len(lens) * width) // page_size + len(lens) + 1
+    max_blocks = -(-width // page_size)  # room for every row
     k_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
     v_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
     bs = len(lens)
@@ -59,10 +72,11 @@ def test_matches_dense_reference_and_writes_only_out_cache_loc(op, page_size, le
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k[loc], expected_v[loc] = k, v
     out = OPS[op]()(q, k, v, k_cache, v_cache, loc, table,
-                    torch.tensor(lens, dtype=torch.int32), page_size, 0.25)
+                    torch.tensor(lens, dtype=torch.int32), page_size, scale)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots_per_row, 0.25),
-                               atol=ATOL, rtol=0)
+    # A score's rounding grows with its size, so the bound does with the scale.
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots_per_row, scale),
+                               atol=ATOL * max(1.0, scale), rtol=0)
 
 
 def test_cpp_op_rejects_what_it_cannot_run():
