@@ -108,7 +108,8 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list]]:
     share = ["--dataset-name", "sharegpt", "--sharegpt-output-len", str(args.sharegpt_output_len),
              "--sharegpt-context-len", str(args.sharegpt_context_len), "--seed", "1"]
     for c in args.concurrency:
-        n = ["--num-prompts", str(args.num_prompts or 4 * c), "--max-concurrency", str(c)]
+        n = ["--num-prompts", str(args.num_prompts or args.prompts_per_client * c),
+             "--max-concurrency", str(c)]
         out.append((f"random-c{c}", rand + n))
         if args.sharegpt_output_len > 0:
             out.append((f"sharegpt-c{c}", share + n))
@@ -129,7 +130,8 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
         record["schedule"] = info.get("schedule")
         tokenizer = load_tokenizer(info["tokenizer_path"])
         for workload, argv in workloads(args):
-            if workload == "gsm8k" and args.gsm8k_questions <= 0:
+            if workload == "gsm8k" and (args.gsm8k_questions <= 0 or (
+                    args.gsm8k_configs and name not in args.gsm8k_configs)):
                 continue
             if workload == "poisson":
                 top = record["workloads"].get(f"random-c{max(args.concurrency)}") or {}
@@ -193,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="small sizes for a quick try: "
                    + ", ".join(f"{k}={v}" for k, v in SMALL.items()))
     p.add_argument("--gsm8k-questions", type=int, default=200, help="0 skips gsm8k")
+    p.add_argument("--gsm8k-configs", type=lambda s: s.split(","), default=None,
+                   help="run gsm8k on these configs only (comma-separated; default: all)")
     p.add_argument("--gsm8k-parallel", type=int, default=64)
     p.add_argument("--gsm8k-max-new-tokens", type=int, default=512)
     p.add_argument("--gsp-num-groups", type=int, default=8)
@@ -209,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 16, 64])
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="random prompts per concurrency level; default 4 x concurrency")
+                   help="random/ShareGPT prompts per concurrency level; default: "
+                        "--prompts-per-client x concurrency")
+    p.add_argument("--prompts-per-client", type=int, default=4)
     p.add_argument("--poisson-prompts", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson rate (req/s); default: --poisson-fraction of capacity")
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in SMALL.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
-    unknown = sorted(set(args.configs) - set(CONFIGS))
+    unknown = sorted((set(args.configs) | set(args.gsm8k_configs or ())) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     out_dir = Path(args.output_dir)
