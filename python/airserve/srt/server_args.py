@@ -68,8 +68,11 @@ class ServerArgs:
     attention_backend: str | None = None  # None: "ascend" on npu, "torch_native" elsewhere
     num_threads: int | None = None  # torch intra-op threads on cpu; None keeps torch's default
     # Data parallelism: this many scheduler processes, each a whole replica (model, KV pool,
-    # prefix cache) with its own --num-threads, behind the one HTTP server.
+    # prefix cache, its own --tp-size ranks) with its own --num-threads, behind the one HTTP
+    # server. dp_rank is which replica a process belongs to: set by the server for each
+    # replica's processes, not a flag.
     dp_size: int = 1
+    dp_rank: int = 0
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
@@ -83,12 +86,15 @@ class ServerArgs:
     # Tensor parallelism (SGLang's flags): tp_size ranks, one process each, over nnodes
     # machines (tp_size / nnodes ranks per machine); rank 0 schedules. dist_init_addr
     # (host:port, reachable by every rank) is needed with nnodes > 1. A collective that waits
-    # longer than dist_timeout seconds fails the server instead of hanging it.
+    # longer than dist_timeout seconds fails the server instead of hanging it. With dp_size > 1
+    # replica r's ranks meet at dist_init_addr's port + r. On cuda/npu, replica r's rank k
+    # runs on device base_gpu_id + r * tp_size + k (see tp_worker.device_index).
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: int = 300
+    base_gpu_id: int = 0
 
     # Graph runners.
     enable_torch_compile: bool = False
@@ -208,13 +214,21 @@ class ServerArgs:
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, "
                              "reachable by every machine)")
-        if self.dist_init_addr is not None and ":" not in self.dist_init_addr:
-            raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: expected HOST:PORT")
-        if self.dp_size > 1 and self.tp_size > 1:
-            # Each replica's ranks would need their own rendezvous address; not built yet.
-            raise ValueError(f"dp_size={self.dp_size} with tp_size={self.tp_size} is not "
-                             "supported yet: use one of them, or run several servers behind "
-                             "SGLang's router")
+        if self.dist_init_addr is not None:
+            _, _, port = self.dist_init_addr.rpartition(":")
+            if not port.isdigit() or not 0 < int(port) + self.dp_size - 1 < 65536:
+                raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: expected HOST:PORT "
+                                 f"with PORT + dp_size - 1 in 1..65535 (replica r uses "
+                                 f"PORT + r)")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id={self.base_gpu_id}: must be >= 0")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank}: must be in 0..{self.dp_size - 1}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError(f"dp_size={self.dp_size} with nnodes={self.nnodes}: data "
+                             "parallelism runs on one machine; across machines run one server "
+                             "per machine (each with its own --dp-size/--tp-size) behind "
+                             "SGLang's router (see README, Scale out)")
 
     def _check_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -355,8 +369,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int,
                    default=d.dp_size,
                    help="data parallelism: this many replicas of the model (one scheduler "
-                        "process each); each request goes to the one with the fewest queued "
-                        "tokens")
+                        "process each, with --tp-size ranks each); each request goes to the "
+                        "one with the fewest queued tokens")
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")
@@ -372,9 +386,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--node-rank", type=int, default=d.node_rank,
                    help="this machine's index (0 runs the HTTP server and the scheduler)")
     g.add_argument("--dist-init-addr", default=d.dist_init_addr,
-                   help="HOST:PORT of node 0 for torch.distributed (needed with --nnodes > 1)")
+                   help="HOST:PORT of node 0 for torch.distributed (needed with --nnodes > 1; "
+                        "with --dp-size N, replica r uses PORT + r; default: a free loopback "
+                        "port per replica)")
     g.add_argument("--dist-timeout", type=int, default=d.dist_timeout,
                    help="seconds a collective may wait before the server fails")
+    g.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
+                   help="first cuda/npu device to use: replica r's rank k runs on device "
+                        "base-gpu-id + r * tp-size + k")
 
     g = parser.add_argument_group("graph runners")
     g.add_argument("--enable-torch-compile", action="store_true")

@@ -77,7 +77,8 @@ def test_tensor_parallel_flags(capsys):
                       (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2",
                         "--dist-init-addr", "h:1"], "node_rank=2"),
                       (["--tp-size", "2", "--dist-init-addr", "nohost"], "HOST:PORT"),
-                      (["--tp-size", "2", "--dp-size", "2"], "not supported yet")):
+                      (["--tp-size", "2", "--dp-size", "2", "--nnodes", "2",
+                        "--dist-init-addr", "h:1"], "SGLang's router")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert why in capsys.readouterr().err

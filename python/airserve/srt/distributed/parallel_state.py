@@ -55,6 +55,24 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+def select_device(device: str, index: int) -> None:
+    """Make cuda/npu device `index` this process's current device (what "cuda"/"npu" tensors
+    land on); refused when the machine has no such device. Nothing on cpu."""
+    if device == "cpu":
+        return
+    if device == "npu":
+        from airserve.srt.hardware import import_torch_npu
+
+        import_torch_npu()
+    backend = torch.npu if device == "npu" else torch.cuda
+    count = backend.device_count()
+    if index >= count:
+        raise ValueError(f"this process needs {device} device {index} (--base-gpu-id + "
+                         f"dp rank x tp size + tp rank) but the machine shows {count}; lower "
+                         "--base-gpu-id, --dp-size or --tp-size")
+    backend.set_device(index)
+
+
 def init_tp_group(device: str, rank: int, size: int, init_method: str,
                   timeout_s: float) -> TPGroup:
     """Join the `size`-rank group as `rank` (`init_method` a tcp:// address every rank can
@@ -67,13 +85,8 @@ def init_tp_group(device: str, rank: int, size: int, init_method: str,
     if backend is None:
         raise ValueError(f"--tp-size {size} on device {device!r}: no torch.distributed backend "
                          f"(known: {', '.join(f'{d}: {b}' for d, b in BACKENDS.items())})")
-    # One device per rank on each machine (ranks are numbered machine by machine).
     if backend == "hccl":
         import torch_npu  # noqa: F401 - registers the hccl backend and torch.npu
-
-        torch.npu.set_device(rank % max(1, torch.npu.device_count()))
-    if backend == "nccl":
-        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -143,7 +143,9 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
                 "tokenizer_path": args.tokenizer_path or manager.info["model_path"],
                 **replies[0][1], "dp_size": args.dp_size,
                 "replicas": [{**load, "kv_pool": info["kv_pool"],
-                              "prefix_cache": info["prefix_cache"]}
+                              "prefix_cache": info["prefix_cache"],
+                              **{k: info[k] for k in ("tp_size", "tp_rank_pids",
+                                                      "dist_init_addr")}}
                              for load, (_, info) in zip(manager.load_report(), replies)],
                 "server_args": _server_args_dict(args), "devices": devices}
         # Runner reports may hold non-JSON values (dtypes, devices): show them as text.

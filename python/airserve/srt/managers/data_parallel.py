@@ -1,7 +1,9 @@
 """Data parallelism (`--dp-size N`): N scheduler processes behind one tokenizer manager.
 
 Each replica is a whole engine in its own process: model, KV pool, prefix cache and batching
-(`scheduler_process.py`), joined to the HTTP process by its own two pipes. The tokenizer manager
+(`scheduler_process.py`), joined to the HTTP process by its own two pipes. With --tp-size M
+that process is rank 0 of the replica's own tensor-parallel group of M processes, which meets
+at its own address and runs on its own devices (`replica_args`). The tokenizer manager
 sends each new request to the replica with the fewest queued tokens, its aborts to the replica
 that owns it, and calls (server info, cache flush) to every replica. One replica dying ends the
 server, as the one scheduler's death does without data parallelism.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.scheduler_process import run_scheduler_process
+from airserve.srt.model_executor.tp_worker import replica_init_addr
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -73,7 +76,8 @@ class Replica:
         self._out_recv, out_send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=run_scheduler_process,
                                 name=f"airserve-scheduler-{self.rank}",
-                                args=(self.server_args, req_recv, out_send, os.getpid()))
+                                args=(replica_args(self.server_args, self.rank), req_recv,
+                                      out_send, os.getpid()))
         self.proc.start()
         req_recv.close()
         out_send.close()
@@ -173,6 +177,12 @@ class Replica:
                 return
 
 
+def replica_args(args: ServerArgs, rank: int) -> ServerArgs:
+    """The arguments replica `rank`'s processes run with: its dp_rank (which picks its devices,
+    `tp_worker.device_index`) and its own --dist-init-addr port (PORT + rank)."""
+    return args.replace(dp_rank=rank, dist_init_addr=replica_init_addr(args, rank))
+
+
 def pick_replica(replicas: list[Replica], start: int) -> Replica:
     """The replica with the fewest queued tokens; ties go to fewer open requests, then to
     the first at or after `start` (a rotating offset, so an idle server spreads its load)."""
@@ -181,14 +191,20 @@ def pick_replica(replicas: list[Replica], start: int) -> Replica:
     return min(order, key=lambda r: (r.queued_tokens, len(r.open_reqs)))
 
 
-def check_threads(dp_size: int, num_threads: int | None, cpu_count: int | None) -> str | None:
-    """A warning when the replicas' torch threads together exceed the CPUs, else None."""
-    if dp_size == 1 or not cpu_count:
+def check_threads(dp_size: int, num_threads: int | None, cpu_count: int | None,
+                  tp_size: int = 1) -> str | None:
+    """A warning when the model processes' torch threads together (dp_size replicas of tp_size
+    ranks, each process its own threads) exceed the CPUs, else None."""
+    procs = dp_size * tp_size
+    if procs == 1 or not cpu_count:
         return None
     threads = num_threads or cpu_count  # torch's default: one thread per CPU
-    if dp_size * threads <= cpu_count:
+    if procs * threads <= cpu_count:
         return None
     given = f"--num-threads {num_threads}" if num_threads else f"{threads} (torch's default)"
-    return (f"--dp-size {dp_size} x {given} = {dp_size * threads} torch threads on "
-            f"{cpu_count} CPUs: the replicas will contend for cores; set --num-threads to at "
-            f"most {max(cpu_count // dp_size, 1)} (each replica runs its own threads)")
+    sizes = f"--dp-size {dp_size} x --tp-size {tp_size}" if tp_size > 1 else f"--dp-size {dp_size}"
+    fix = (f"set --num-threads to at most {cpu_count // procs}" if cpu_count >= procs else
+           "use fewer replicas or ranks")
+    return (f"{sizes} x {given} = {procs * threads} torch threads on {cpu_count} CPUs: the "
+            f"model processes will contend for cores; {fix} (each replica and each rank runs "
+            "its own threads)")

@@ -91,6 +91,8 @@ class SchedulerLoop:
             "tp_size": runner.tp.size,
             # This machine's other tensor-parallel ranks (rank 0 is this process).
             "tp_rank_pids": [p.pid for p in runner.tp_procs],
+            # Where this replica's ranks met (None without tensor parallelism).
+            "dist_init_addr": runner.server_args.dist_init_addr if runner.tp.size > 1 else None,
         }
 
     # The loop.

@@ -125,7 +125,7 @@ class TokenizerManager:
 
         args = self.server_args
         resolve_model_path(args.model_path)  # fail fast, before spawning anything
-        warning = check_threads(args.dp_size, args.num_threads, os.cpu_count())
+        warning = check_threads(args.dp_size, args.num_threads, os.cpu_count(), args.tp_size)
         if warning:
             logger.warning("%s", warning)
         self._loop = loop = asyncio.get_running_loop()

@@ -10,7 +10,12 @@ from collections.abc import Sequence
 import torch
 
 from airserve.srt.configs import ModelConfig
-from airserve.srt.distributed.parallel_state import SINGLE, TPGroup, init_tp_group
+from airserve.srt.distributed.parallel_state import (
+    SINGLE,
+    TPGroup,
+    init_tp_group,
+    select_device,
+)
 from airserve.srt.distributed.sharding import local_kv_heads
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.hardware import check_device
@@ -28,6 +33,7 @@ from airserve.srt.model_executor.tp_worker import (
     TensorParallelError,
     check_ranks,
     describe,
+    device_index,
     resolve_init_addr,
     spawn_local_ranks,
 )
@@ -51,6 +57,7 @@ class ModelRunner:
         self.device = args.device
         self.runner_config = RunnerConfig.from_server_args(args)  # all a graph runner reads
         check_device(args.device)
+        select_device(args.device, device_index(args, tp_rank))  # cuda/npu: this rank's own
         if args.num_threads is not None and self.device == "cpu":
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.random_seed)

@@ -103,8 +103,27 @@ class ControlChannel:
 STOP = "stop"
 
 
+def device_index(args: ServerArgs, tp_rank: int) -> int:
+    """The cuda/npu device (on its machine) of rank `tp_rank` of replica `args.dp_rank`: each
+    replica takes the next tp_size / nnodes devices from --base-gpu-id on, one per local rank."""
+    per_node = args.tp_size // args.nnodes
+    return args.base_gpu_id + args.dp_rank * per_node + tp_rank % per_node
+
+
+def replica_init_addr(args: ServerArgs, dp_rank: int) -> str | None:
+    """Where replica `dp_rank`'s ranks meet: --dist-init-addr's port + dp_rank, so that the
+    replicas' groups never share a rendezvous; None (each replica's rank 0 then picks a free
+    loopback port in its own process, `resolve_init_addr`) without the flag."""
+    if args.dist_init_addr is None:
+        return None
+    host, _, port = args.dist_init_addr.rpartition(":")
+    return f"{host}:{int(port) + dp_rank}"
+
+
 def resolve_init_addr(args: ServerArgs) -> ServerArgs:
-    """args with a dist_init_addr: a free loopback port when all ranks are on this machine."""
+    """args with a dist_init_addr: a free loopback port when all ranks are on this machine.
+    Called by rank 0 in its own process (a replica's scheduler process), so each replica
+    picks its own port."""
     if args.dist_init_addr is not None:
         return args
     with socket.socket() as s:
@@ -120,8 +139,9 @@ def spawn_local_ranks(args: ServerArgs) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(first + (1 if args.node_rank == 0 else 0), first + per_node):
+        prefix = f"airserve-dp{args.dp_rank}-" if args.dp_size > 1 else "airserve-"
         proc = ctx.Process(target=run_tp_rank, args=(args, rank), daemon=True,
-                           name=f"airserve-tp{rank}")
+                           name=f"{prefix}tp{rank}")
         proc.start()
         procs.append(proc)
     return procs
@@ -143,7 +163,8 @@ def run_tp_rank(args: ServerArgs, rank: int) -> None:
     from airserve.srt.model_executor.model_runner import ModelRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(args.log_level, f"tp{rank}")
+    configure_logging(args.log_level, f"dp{args.dp_rank}-tp{rank}" if args.dp_size > 1
+                      else f"tp{rank}")
     try:
         runner = ModelRunner(args, tp_rank=rank)
     except Exception:  # noqa: BLE001 - reported, then the process exits
