@@ -1,5 +1,6 @@
-"""Logprobs, n > 1 and logit_bias through the real server, on every route; every field that
-would change the output and is not implemented is a 400 naming it.
+"""Logprobs, n > 1 and logit_bias through the real server, on every route (and the offline
+Engine's against /generate's); every field that would change the output and is not implemented
+is a 400 naming it.
 
 Logprob values are checked against log_softmax of transformers' float32 logits on the same
 tiny model, within 1e-4 (absolute).
@@ -120,6 +121,44 @@ def test_generate_n_samples_share_the_prompt(http):
     streamed = events(http, "/generate", {"text": "Hello", "stream": True, "sampling_params": {
         "n": 2, "max_new_tokens": 4, "temperature": 0}})
     assert {e["index"] for e in streamed} == {0, 1}
+
+
+def test_offline_engine_logprobs_and_n_equal_generate(http, hf, tiny_llama_dir):
+    """Engine.generate's logprob arguments and n answer what /generate answers for the same
+    model and prompt: the same meta_info lists (ids exact, values within ATOL), the same
+    seeded samples; and the values are transformers' float32 log_softmax."""
+    from airserve import Engine
+
+    engine = Engine(model_path=tiny_llama_dir, max_total_tokens=4096, num_threads=1)
+    try:
+        greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+        args = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+        served = post(http, "/generate", {"text": PROMPT, **args, "sampling_params": greedy})
+        offline = engine.generate(PROMPT, dict(greedy), **args)
+        keys = [k for k in served["meta_info"] if k.endswith("logprobs")]
+        assert sorted(keys) == sorted(k for k in offline["meta_info"] if k.endswith("logprobs"))
+        assert len(keys) == 4
+        as_json = json.loads(json.dumps(offline["meta_info"]))  # entries: tuples -> lists
+        for key in keys:
+            assert _close(as_json[key], served["meta_info"][key]), key
+        assert offline["output_ids"] == served["output_ids"]
+        inputs = offline["meta_info"]["input_token_logprobs"]
+        full = [t for _, t, _ in inputs] + offline["output_ids"]
+        ref = ref_logprobs(hf, full)
+        scored = inputs[1:] + offline["meta_info"]["output_token_logprobs"]
+        for pos, (lp, tok, _) in enumerate(scored, start=1):
+            assert abs(lp - float(ref[pos - 1, tok])) < ATOL
+        sampled = {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "seed": 11,
+                   "ignore_eos": True}
+        served = post(http, "/generate", {"text": [PROMPT, "Hello"], "return_logprob": True,
+                                          "sampling_params": sampled})
+        offline = engine.generate([PROMPT, "Hello"], dict(sampled), return_logprob=True)
+        assert [o["output_ids"] for o in offline] == [o["output_ids"] for o in served]
+        for a, b in zip(offline, served):
+            lists = json.loads(json.dumps(a["meta_info"]["output_token_logprobs"]))
+            assert _close(lists, b["meta_info"]["output_token_logprobs"])
+    finally:
+        engine.shutdown()
 
 
 def test_generate_logit_bias_forces_and_bans(http):

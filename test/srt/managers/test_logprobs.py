@@ -1,5 +1,6 @@
-"""Logprobs from the scheduler's own forward passes against log_softmax of transformers'
-float32 logits on the same tiny model; logit_bias under greedy.
+"""Logprobs from the scheduler's own forward passes (also through Engine.generate's logprob
+arguments) against log_softmax of transformers' float32 logits on the same tiny model;
+logit_bias under greedy; Engine.generate's n.
 
 Tolerance: 1e-4 absolute on logprobs (float32 on both sides, different kernels and reduction
 orders; the tiny model's logprobs are of order -6).
@@ -141,7 +142,95 @@ def test_graph_runner_replay_gives_the_same_logprobs(tiny_llama_dir, hf):
         check_against_reference(hf, req, 0, 2)
 
 
-def test_offline_engine_still_refuses_n(engine):
-    """n > 1 is a front-door expansion (HTTP); the offline Engine refuses it by name."""
-    with pytest.raises(ValueError, match="n: not supported"):
-        engine.generate(input_ids=[1, 2, 3], sampling_params={"n": 2})
+# Engine.generate's logprob arguments: /generate's meta_info layout, the same values.
+def test_engine_generate_logprobs_equal_transformers(engine, hf):
+    vocab = engine.model_runner.model_config.vocab_size
+    batch = prompts(vocab, [9, 15], seed=13)
+    outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True,
+                           logprob_start_len=[0, 4], top_logprobs_num=2)
+    for ids, start, out in zip(batch, [0, 4], outs):
+        meta = out["meta_info"]
+        inputs, outputs = meta["input_token_logprobs"], meta["output_token_logprobs"]
+        assert [t for _, t, _ in inputs] == ids[start:]  # one per prompt token from start
+        assert inputs[0][0] is None and meta["input_top_logprobs"][0] is None
+        assert [t for _, t, _ in outputs] == out["output_ids"]
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+        full = ids + out["output_ids"]
+        ref = reference(hf, full)
+        scored = inputs[1:] + outputs
+        tops = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]
+        for pos, ((lp, tok, text), top) in enumerate(zip(scored, tops), start=start + 1):
+            assert tok == full[pos] and text is None
+            assert abs(lp - float(ref[pos - 1, tok])) < ATOL
+            vals, idx = torch.topk(ref[pos - 1], 2)
+            assert [t for _, t, _ in top] == idx.tolist()
+            assert max(abs(a - float(b)) for (a, _, _), b in zip(top, vals)) < ATOL
+
+
+def test_engine_generate_without_return_logprob_has_no_logprob_fields(engine):
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, top_logprobs_num=2)
+    assert not [k for k in out["meta_info"] if "logprobs" in k]
+
+
+def test_engine_streaming_logprobs_grow_with_the_output(engine, hf):
+    vocab = engine.model_runner.model_config.vocab_size
+    (ids,) = prompts(vocab, [11], seed=14)
+    chunks = list(engine.generate(input_ids=ids, sampling_params=GREEDY, stream=True,
+                                  return_logprob=True))
+    final = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+    for c in chunks:
+        outputs = c["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in outputs] == c["output_ids"]
+    last = chunks[-1]["meta_info"]
+    want = final["meta_info"]["output_token_logprobs"]  # its prompt came from the cache
+    assert [t for _, t, _ in last["output_token_logprobs"]] == [t for _, t, _ in want]
+    assert max(abs(a - b) for (a, _, _), (b, _, _) in zip(last["output_token_logprobs"],
+                                                          want)) < ATOL
+    assert [t for _, t, _ in last["input_token_logprobs"]] == ids[-1:]
+
+
+def test_engine_n_samples_per_prompt(engine):
+    """n > 1: n samples per prompt, prompt by prompt, seeds offset per sample (seed, seed+1)
+    as /generate does; a single prompt then answers a list."""
+    params = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 5}
+    batch = [[3, 4, 5, 6], [7, 8, 9]]
+    outs = engine.generate(input_ids=batch, sampling_params={**params, "n": 2},
+                           return_logprob=True)
+    assert len(outs) == 4
+    for k, out in enumerate(outs):
+        ids, j = batch[k // 2], k % 2
+        alone = engine.generate(input_ids=ids, sampling_params={**params, "seed": 5 + j},
+                                return_logprob=True)
+        assert out["output_ids"] == alone["output_ids"]
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert outs[0]["output_ids"] != outs[1]["output_ids"]  # different seeds, different samples
+    single = engine.generate(input_ids=batch[0], sampling_params={**params, "n": 2})
+    assert [o["output_ids"] for o in single] == [o["output_ids"] for o in outs[:2]]
+    streamed = list(engine.generate(input_ids=batch[0], sampling_params={**params, "n": 2},
+                                    stream=True))
+    assert {c["index"] for c in streamed} == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"return_logprob": "yes"}, "return_logprob: must be"),
+    ({"return_logprob": True, "logprob_start_len": 3}, r"logprob_start_len: must be < the "
+                                                        r"prompt length \(3 tokens\)"),
+    ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len: must be"),
+    ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num: must be"),
+    ({"return_logprob": True, "top_logprobs_num": [1, 2]},
+     "top_logprobs_num: has 2 entries for 1 prompts"),
+    ({"return_logprob": True, "logprob_start_len": 0,
+      "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens: must be >= 1"),
+    ({"sampling_params": {"n": 0}}, r"sampling_params.n: must be an integer in \[1, 64\]"),
+    ({"sampling_params": {"n": 65}}, "sampling_params.n: must be"),
+    ({"sampling_params": {"n": True}}, "sampling_params.n: must be"),
+])
+def test_engine_bad_logprob_and_n_arguments_are_named(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(input_ids=kwargs.pop("input_ids", [1, 2, 3]), **kwargs)
+
+
+def test_engine_n_must_agree_across_prompts(engine):
+    with pytest.raises(ValueError, match="sampling_params.n: must be the same"):
+        engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params=[{"n": 2}, {"n": 3}])

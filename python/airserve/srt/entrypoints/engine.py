@@ -1,19 +1,31 @@
-"""Offline engine: the scheduler and model runner in this process, no server."""
+"""Offline engine: the scheduler and model runner in this process, no server.
+
+`Engine.generate` takes what SGLang's offline engine takes: `prompt` or `input_ids`, one or a
+list, `sampling_params` (one dict or one per prompt; `n` > 1 gives n samples per prompt, listed
+prompt by prompt as /generate does), `stream`, and the logprob arguments `return_logprob`,
+`logprob_start_len`, `top_logprobs_num` (one value or one per prompt), answered in `meta_info`
+in /generate's layout. Arguments are checked by the HTTP front doors' rules
+(`managers/validation.py`); a ValueError names the bad one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
+from airserve.srt.entrypoints.logprob_format import sglang_logprobs
 from airserve.srt.managers.engine_core import EngineCore, build_req
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.validation import (
     FieldError,
-    SamplingParams,
     check_input_ids,
     check_text,
+    parse_logprob,
+    prompt_sampling_params,
     validate_request,
 )
+from airserve.srt.sampling.sampling_params import sample_seed
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -28,6 +40,12 @@ def req_output(req: Req, text: str | None = None) -> dict:
         "finish_reason": req.finished_reason,
         "e2e_latency": (req.finished_time or 0) - req.created_time if req.finished else None,
     }
+    if req.logprob is not None:
+        # As /generate sends them: the prompt's logprobs once they are all in (with the first
+        # output token), each output token's beside it.
+        meta.update(sglang_logprobs(req.input_ids, req.logprob,
+                                    req.input_logprobs if req.output_ids else None,
+                                    req.output_logprobs[:len(req.output_ids)], None))
     return {"text": req.output_text() if text is None else text,
             "output_ids": list(req.output_ids), "meta_info": meta}
 
@@ -51,15 +69,24 @@ class Engine:
     def generate(self, prompt: str | Sequence[str] | None = None,
                  sampling_params: dict | Sequence[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
-        """Generate for one prompt (returns a dict) or a list (returns a list of dicts).
+                 stream: bool = False, return_logprob: bool | Sequence[bool] = False,
+                 logprob_start_len: int | Sequence[int] | None = None,
+                 top_logprobs_num: int | Sequence[int] | None = None,
+                 ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (returns a dict) or a list (returns a list of dicts; also
+        for one prompt with `n` > 1, its samples in order).
 
         With `stream=True`, returns an iterator of dicts whose `text` is cumulative; for a list
-        of prompts each dict carries its `index`.
+        each dict carries its `index`. With `return_logprob`, `meta_info` holds
+        `input_token_logprobs` (prompt tokens from `logprob_start_len`; -1 or None: the last
+        one), `output_token_logprobs` and, with `top_logprobs_num`, `*_top_logprobs`: entries
+        (logprob, token_id, None), the model's raw log_softmax, as /generate lists them.
         """
         if self._closed:
             raise RuntimeError("the engine is shut down")
-        reqs, single = self._make_reqs(prompt, sampling_params, input_ids, stream)
+        logprob_args = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                        "top_logprobs_num": top_logprobs_num}
+        reqs, single = self._make_reqs(prompt, sampling_params, input_ids, stream, logprob_args)
         for req in reqs:
             self.scheduler.add_request(req)
         if stream:
@@ -68,9 +95,27 @@ class Engine:
         outs = [req_output(r) for r in reqs]
         return outs[0] if single else outs
 
-    def _make_reqs(self, prompt, sampling_params, input_ids, stream) -> tuple[list[Req], bool]:
+    def _make_reqs(self, prompt, sampling_params, input_ids, stream,
+                   logprob_args: dict) -> tuple[list[Req], bool]:
         """Checked by the same rules as an HTTP request (`managers/validation.py`); a
-        ValueError names the bad argument."""
+        ValueError names the bad argument. n > 1: prompt i's samples are i*n .. i*n+n-1."""
+        token_lists, single = self._prompts(prompt, input_ids)
+        params, n = prompt_sampling_params(sampling_params, len(token_lists))
+        per_prompt = {name: _per_prompt(name, value, len(token_lists))
+                      for name, value in logprob_args.items()}
+        logprobs = []
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            validate_request(ids, p, self.limits)
+            self.scheduler.check_request(ids, p.max_new_tokens)
+            args = {name: values[i] for name, values in per_prompt.items()}
+            logprobs.append(parse_logprob(args, len(ids), p.max_new_tokens))
+        reqs = [build_req(self.tokenizer, ids, dataclasses.replace(p, seed=sample_seed(p.seed, j)),
+                          stream=stream, logprob=lp)
+                for ids, p, lp in zip(token_lists, params, logprobs) for j in range(n)]
+        return reqs, single and n == 1
+
+    def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        """The prompts' token ids, and whether one prompt was given (not in a list)."""
         if (prompt is None) == (input_ids is None):
             raise FieldError("prompt", "give exactly one of prompt or input_ids")
         limits = self.limits
@@ -90,19 +135,7 @@ class Engine:
             token_lists = [check_input_ids(ids, limits) for ids in batch]
         if not token_lists:
             raise FieldError("prompt", "is an empty list")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(token_lists):
-                raise FieldError("sampling_params", f"has {len(sampling_params)} entries for "
-                                                    f"{len(token_lists)} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params)] * len(token_lists)
-        for ids, p in zip(token_lists, params):
-            validate_request(ids, p, limits)
-            self.scheduler.check_request(ids, p.max_new_tokens)
-        reqs = [build_req(self.tokenizer, ids, p, stream=stream)
-                for ids, p in zip(token_lists, params)]
-        return reqs, single
+        return token_lists, single
 
     def _run_until_done(self, reqs: list[Req]) -> None:
         while not all(r.finished for r in reqs):
@@ -140,3 +173,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _per_prompt(name: str, value: object, num_prompts: int) -> list:
+    """An argument given once for every prompt, or as a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise FieldError(name, f"has {len(value)} entries for {num_prompts} prompts")
+    return list(value)

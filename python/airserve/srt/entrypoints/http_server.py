@@ -69,6 +69,29 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
                        "(and --allowed-hosts) when this port is reachable from other machines")
     app.add_middleware(RequestGuard, hosts=hosts, api_key=args.api_key,
                        max_body_bytes=args.max_request_body_bytes)
+    _add_error_handlers(app)
+    _add_health_routes(app, manager)
+    _add_info_routes(app, manager, args, names, devices)
+    _add_admin_routes(app, manager, metrics)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await native_api.generate(request, manager, limits)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai.chat(request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is a JSON body with the status (`error_response`); a client that left gets
+    nothing."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError):
@@ -94,6 +117,8 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
+
+def _add_health_routes(app: FastAPI, manager: TokenizerManager) -> None:
     @app.get("/health")
     async def health():
         reason = manager.unhealthy_reason()
@@ -114,6 +139,9 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 
+
+def _add_info_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs,
+                     names: tuple[str, ...], devices: dict | None) -> None:
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{
@@ -158,6 +186,8 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
                  "num_waiting_reqs": r["num_waiting_reqs"], "num_tokens": r["queued_tokens"]}
                 for r in manager.load_report()]
 
+
+def _add_admin_routes(app: FastAPI, manager: TokenizerManager, metrics) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         replies = await manager.call("flush_cache")
@@ -167,18 +197,6 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
             raise RequestError(400, f"cache not flushed: {'; '.join(failed)}")
         return PlainTextResponse(replies[0][1])
 
-    @app.post("/generate")
-    async def generate(request: Request):
-        return await native_api.generate(request, manager, limits)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await openai.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await openai.chat(request)
-
     @app.get("/metrics")
     async def prometheus_metrics():
         if metrics is None:
@@ -186,8 +204,6 @@ def create_app(manager: TokenizerManager, args: ServerArgs, metrics=None,
         from airserve.srt.metrics import CONTENT_TYPE
 
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
 
 
 async def _drain(stream) -> None:

@@ -6,7 +6,7 @@ temperature and top-k/top-p/min-p; `airserve.srt.sampling.logprobs`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from airserve.srt.managers.tokenizer_manager import ReqOutput
 from airserve.srt.sampling.logprobs import LogprobParams, TokenLogprob
@@ -29,12 +29,14 @@ class TokenText:
 
 
 # SGLang's /generate meta_info.
-def sglang_logprobs(out: ReqOutput, prompt: list[int], params: LogprobParams,
+def sglang_logprobs(prompt: list[int], params: LogprobParams,
+                    input_scored: list[TokenLogprob] | None, output_scored: list[TokenLogprob],
                     text: TokenText | None) -> dict:
     """`input_token_logprobs` (one per prompt token from logprob_start_len, the first None:
     nothing before it is scored), `output_token_logprobs` (one per output token), and with
     top_logprobs_num the `*_top_logprobs` beside them; entries are (logprob, token_id, text),
-    text None unless return_text_in_logprobs."""
+    text None unless return_text_in_logprobs. `input_scored`: the prompt tokens after
+    logprob_start_len (None until they all are); `output_scored`: the output tokens."""
     def entry(lp: float | None, token: int) -> tuple:
         return (lp, token, text(token) if text is not None else None)
 
@@ -42,15 +44,15 @@ def sglang_logprobs(out: ReqOutput, prompt: list[int], params: LogprobParams,
         return [entry(lp, tok) for lp, tok in t.top or ()]
 
     start = params.start(len(prompt))
-    scored = out.input_logprobs or []
+    scored = input_scored or []
     meta = {
         "input_token_logprobs": [entry(None, prompt[start])]
         + [entry(t.logprob, t.token_id) for t in scored],
-        "output_token_logprobs": [entry(t.logprob, t.token_id) for t in out.output_logprobs],
+        "output_token_logprobs": [entry(t.logprob, t.token_id) for t in output_scored],
     }
     if params.top_logprobs_num:
         meta["input_top_logprobs"] = [None] + [top(t) for t in scored]
-        meta["output_top_logprobs"] = [top(t) for t in out.output_logprobs]
+        meta["output_top_logprobs"] = [top(t) for t in output_scored]
     return meta
 
 
@@ -98,6 +100,8 @@ class ChoiceShape:
     prompts: list[list[int]]
     n: int
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    # Streaming: choice i -> its output tokens whose logprobs were sent.
+    sent: dict[int, int] = field(default_factory=dict)
 
     def content(self, i: int, out: ReqOutput) -> str:
         return out.text if self.echo_texts is None else self.echo_texts[i // self.n] + out.text
@@ -114,3 +118,10 @@ class ChoiceShape:
             return completion_logprobs(scored, self.text)
         return completion_logprobs((out.input_logprobs or []) + scored, self.text,
                                    first=self.prompts[i // self.n][0])
+
+    def new_logprobs(self, i: int, out: ReqOutput) -> tuple[dict | None, bool]:
+        """Streaming: choice i's logprobs not sent yet (counted as sent from now on), and
+        whether `out` brought new output tokens."""
+        sent = self.sent.get(i, 0)
+        self.sent[i] = out.completion_tokens
+        return self.logprobs(i, out, sent), out.completion_tokens > sent

@@ -38,21 +38,19 @@ from airserve.srt.managers.validation import (
     check_input_ids,
     check_text,
     parse_logprob,
+    prompt_sampling_params,
     refuse_not_implemented,
     validate_request,
 )
 from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
     INT32_MAX,
-    INT64_MAX,
-    SamplingParams,
     expect_bool,
     expect_int,
+    sample_seed,
     show,
 )
 from airserve.srt.tokenizer import Tokenizer
-
-MAX_N = 64  # parallel samples per prompt; more is refused, not queued
 
 
 @dataclass
@@ -94,7 +92,7 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
                                           f"such lists, got {show(ids)}")
         names = ["input_ids"] if single else [f"input_ids.{i}" for i in range(len(batch))]
         prompts = [check_input_ids(p, limits, name) for p, name in zip(batch, names)]
-    params, n = _sampling_params(body.get("sampling_params"), len(prompts))
+    params, n = prompt_sampling_params(body.get("sampling_params"), len(prompts))
     stream = body.get("stream")
     stream = False if stream is None else expect_bool("stream", stream)
     rids = _rids(body.get("rid"), len(prompts))
@@ -114,11 +112,7 @@ def parse_generate(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> G
 def _expand(req: GenerateRequest) -> GenerateRequest:
     """n requests per prompt, their seeds offset per sample (one seed would make them equal)."""
     n = req.n
-    params = []
-    for p in req.params:
-        for j in range(n):
-            seed = p["seed"]
-            params.append({**p, "seed": None if seed is None else (seed + j) % (INT64_MAX + 1)})
+    params = [{**p, "seed": sample_seed(p["seed"], j)} for p in req.params for j in range(n)]
     rids = [None if r is None else f"{r}-{j}" for r in req.rids for j in range(n)]
     return dataclasses.replace(
         req, prompts=[p for p in req.prompts for _ in range(n)], params=params, rids=rids,
@@ -137,31 +131,6 @@ def _rids(raw, n: int) -> list[str | None]:
                             f"ones, one per prompt; got {show(raw)}")
 
 
-def _sampling_params(raw, n: int) -> tuple[list[SamplingParams], int]:
-    """One SamplingParams per prompt, and `n` (samples per prompt, the same for all)."""
-    if raw is None or isinstance(raw, dict):
-        samples, raw = _pop_n(raw, "sampling_params.")
-        params = SamplingParams.from_dict(raw, prefix="sampling_params.")
-        return [params] * n, samples
-    if not isinstance(raw, list):
-        raise FieldError("sampling_params", f"must be an object or a list of objects, got "
-                                            f"{show(raw)}")
-    if len(raw) != n:
-        raise FieldError("sampling_params", f"has {len(raw)} entries for {n} prompts")
-    popped = [_pop_n(p, f"sampling_params.{i}.") for i, p in enumerate(raw)]
-    if len({samples for samples, _ in popped}) > 1:
-        raise FieldError("sampling_params.n", "must be the same for every prompt")
-    return [SamplingParams.from_dict(p, prefix=f"sampling_params.{i}.")
-            for i, (_, p) in enumerate(popped)], popped[0][0]
-
-
-def _pop_n(raw, prefix: str) -> tuple[int, object]:
-    if not isinstance(raw, dict) or raw.get("n") is None:
-        return 1, raw
-    rest = {k: v for k, v in raw.items() if k != "n"}
-    return expect_int(prefix + "n", raw["n"], 1, MAX_N), rest
-
-
 def output_dict(out: ReqOutput, index: int | None = None, prompt: list[int] | None = None,
                 logprob: LogprobParams | None = None, text: TokenText | None = None) -> dict:
     meta = {
@@ -173,7 +142,8 @@ def output_dict(out: ReqOutput, index: int | None = None, prompt: list[int] | No
         "e2e_latency": out.e2e_latency,
     }
     if logprob is not None:
-        meta.update(sglang_logprobs(out, prompt, logprob, text))
+        meta.update(sglang_logprobs(prompt, logprob, out.input_logprobs, out.output_logprobs,
+                                    text))
     d = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
     if index is not None:
         d["index"] = index

@@ -1,15 +1,13 @@
-"""OpenAI-compatible `/v1/completions` and `/v1/chat/completions`: protocol and adapters.
+"""OpenAI-compatible `/v1/completions` and `/v1/chat/completions`: the routes and adapters.
 
-Requests are validated with pydantic (strict types, finite numbers) and the shared request
-check (`managers/validation.py`); fields airserve does not implement are refused when set
-(`OPENAI_NOT_IMPLEMENTED`), other unknown fields (client bookkeeping such as `user`) are ignored,
-as SGLang does. Parsing, validation and tokenization run off the event loop. A request becomes
-one airserve request per (prompt, choice), and the outputs are shaped into
-OpenAI's responses or SSE chunks. Logprobs: chat `logprobs` / `top_logprobs`, completions
-`logprobs: k` and `echo` (the prompt's logprobs too, its first token's null), of the model's raw
-distribution; the n choices of a prompt start once the first has prefilled it (prefix cache).
-Every streamed chunk carries a non-empty `choices[0]` (SGLang's and vLLM's benchmark clients
-index it unconditionally), the usage chunk included.
+Requests are parsed by `openai_protocol.py` and checked by the shared request check
+(`managers/validation.py`); parsing, validation and tokenization run off the event loop. A
+request becomes one airserve request per (prompt, choice), and the outputs are shaped into
+OpenAI's responses or SSE chunks: tool calls read by `tool_calls.py`, logprobs shaped by
+`logprob_format.py` (chat `logprobs` / `top_logprobs`, completions `logprobs: k` and `echo`, of
+the model's raw distribution); the n choices of a prompt start once the first has prefilled it
+(prefix cache). Every streamed chunk carries a non-empty `choices[0]` (SGLang's and vLLM's
+benchmark clients index it unconditionally), the usage chunk included.
 """
 
 from __future__ import annotations
@@ -19,11 +17,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from airserve.srt.entrypoints.http_utils import (
     final_outputs,
@@ -34,134 +30,40 @@ from airserve.srt.entrypoints.http_utils import (
     stream_response,
 )
 from airserve.srt.entrypoints.logprob_format import ChoiceShape, TokenText
-from airserve.srt.entrypoints.structured_output import ResponseFormat, grammar_fields
-from airserve.srt.entrypoints.tool_calls import Tool, ToolChoice, ToolPlan, plan_tools
+from airserve.srt.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+)
+from airserve.srt.entrypoints.structured_output import grammar_fields
+from airserve.srt.entrypoints.tool_calls import (
+    ToolPlan,
+    chat_message,
+    output_reader,
+    plan_tools,
+    tool_finish_reason,
+)
 from airserve.srt.entrypoints.tool_calls import template_message as tool_template_message
-from airserve.srt.entrypoints.tool_parser import ToolStreamParser, template_format
+from airserve.srt.entrypoints.tool_parser import template_format
 from airserve.srt.managers.tokenizer_manager import ReqOutput, RequestError, TokenizerManager
 from airserve.srt.managers.validation import (
-    MAX_TOP_LOGPROBS,
-    OPENAI_NOT_IMPLEMENTED,
     FieldError,
     RequestLimits,
     check_fits,
     check_input_ids,
     check_logprob,
     check_text,
-    refuse_not_implemented,
     validate_request,
 )
 from airserve.srt.sampling.logprobs import LogprobParams
 from airserve.srt.sampling.sampling_params import (
-    INT32_MAX,
     INT64_MAX,
     SamplingParams,
     expect_int,
+    sample_seed,
 )
 from airserve.srt.tokenizer import Tokenizer
-
-MAX_CHOICES = 64  # n above this is refused, not queued
-
-# What a wrongly typed field should have been, for error messages.
-_EXPECTED = {
-    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of content parts",
-}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Strict):
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    skip_special_tokens: bool = True
-    logit_bias: dict[str, int | float] | None = None
-    # Structured output: at most one of these (SGLang's regex / ebnf extensions included).
-    response_format: ResponseFormat | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    data_parallel_rank: int | None = Field(None, ge=0)  # SGLang's: send it to that replica
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-
-
-def parse_request(model: type[_Strict], body: dict) -> _Strict:
-    refuse_not_implemented(body, OPENAI_NOT_IMPLEMENTED)
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise RequestError(400, format_validation_error(e, body)) from None
-
-
-def format_validation_error(error: ValidationError, body: dict) -> str:
-    """One line per bad field, named by its path (`messages.0.role: ...`)."""
-    by_field: dict[str, list[str]] = {}
-    for e in error.errors():
-        path: list[str] = []
-        for part in e["loc"]:
-            if isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool")):
-                break  # a union member's tag, not a field
-            path.append(str(part))
-        by_field.setdefault(".".join(path) or "body", []).append(e["msg"])
-    lines = []
-    for name, msgs in by_field.items():
-        leaf = name.rsplit(".", 1)[-1]
-        if len(msgs) > 1 and leaf in _EXPECTED:
-            lines.append(f"{name}: must be {_EXPECTED[leaf]}")
-        else:
-            lines.append(f"{name}: {msgs[0]}")
-    return "; ".join(lines)
 
 
 # Requests -> airserve requests (CPU-bound: these run off the event loop).
@@ -169,7 +71,7 @@ def format_validation_error(error: ValidationError, body: dict) -> str:
 class Prepared:
     """A validated, tokenized request: one airserve request per (prompt, choice)."""
 
-    req: _SamplingFields
+    req: SamplingFields
     prompts: list[list[int]]
     params: list[list[dict]]  # [prompt][choice], SamplingParams as dicts
     logprob: LogprobParams | None = None  # the same for every prompt
@@ -222,7 +124,7 @@ def prepare_chat(raw: bytes, tokenizer: Tokenizer, limits: RequestLimits) -> Pre
     return prepared
 
 
-def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
+def _prepared(req: SamplingFields, prompts: list[list[int]], max_tokens: int,
               limits: RequestLimits, plan: ToolPlan | None = None) -> Prepared:
     grammar = grammar_fields(req, plan)
     params = []
@@ -234,7 +136,7 @@ def _prepared(req: _SamplingFields, prompts: list[list[int]], max_tokens: int,
     return Prepared(req, prompts, params)
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int,
+def sampling_params(req: SamplingFields, max_new_tokens: int, choice: int,
                     grammar: dict | None = None) -> SamplingParams:
     """SGLang-named sampling parameters, validated (FieldError names the field); `grammar`:
     the request's json_schema / regex / ebnf field (grammar_fields)."""
@@ -247,8 +149,7 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, choice: int,
         "presence_penalty": req.presence_penalty, "repetition_penalty": req.repetition_penalty,
         "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "logit_bias": req.logit_bias,
-        # n choices with one seed would all be equal; offset it per choice.
-        "seed": None if req.seed is None else (req.seed + choice) % (INT64_MAX + 1),
+        "seed": sample_seed(req.seed, choice),
         **(grammar or {}),
     }
     return SamplingParams.from_dict(params)
@@ -293,7 +194,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Reques
     return tokenizer.encode(check_text(text, "messages", limits))
 
 
-def resolve_model(req: _SamplingFields, names: tuple[str, ...]) -> str:
+def resolve_model(req: SamplingFields, names: tuple[str, ...]) -> str:
     if req.model is None or req.model in names:
         return names[0]
     raise RequestError(404, f"model {req.model!r} does not exist; this server serves "
@@ -353,44 +254,17 @@ class OpenAIServing:
             rid, created, model, outputs, len(streams), prepared, shape, include_usage))
 
 
-class _TextReader:
-    """The plain answer's reader: all text is content (same interface as ToolStreamParser)."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.calls: list = []
-
-    def feed(self, text: str, finished: bool) -> tuple[str, list]:
-        piece, self.sent = text[self.sent:], len(text)
-        return piece, []
-
-
-def _reader(prepared: Prepared) -> _TextReader | ToolStreamParser:
-    plan = prepared.tools
-    if plan is None:
-        return _TextReader()
-    return ToolStreamParser(plan.mode, prepared.tool_format, plan.names, plan.name)
-
-
-def _finish_reason(out: ReqOutput, reader: _TextReader | ToolStreamParser) -> str | None:
-    reason = finish_reason(out)
-    return "tool_calls" if reason == "stop" and reader.calls else reason
-
-
 def _response(rid: str, created: int, model: str, outputs: list[ReqOutput],
               prepared: Prepared, shape: ChoiceShape) -> dict:
     chat = shape.chat
     choices = []
     for i, out in enumerate(outputs):
-        reader = _reader(prepared)
+        reader = output_reader(prepared.tools, prepared.tool_format)
         content, calls = reader.feed(out.text, True)
         choice = {"index": i, "logprobs": shape.logprobs(i, out),
-                  "finish_reason": _finish_reason(out, reader)}
+                  "finish_reason": tool_finish_reason(finish_reason(out), reader)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": content or None if calls
-                                 else content}
-            if calls:
-                choice["message"]["tool_calls"] = [c.to_dict() for c in calls]
+            choice["message"] = chat_message(content, calls)
         else:
             choice["text"] = shape.content(i, out)
         choices.append(choice)
@@ -422,8 +296,8 @@ async def _stream_chunks(rid: str, created: int, model: str,
                          prepared: Prepared, shape: ChoiceShape,
                          include_usage: bool) -> AsyncIterator[bytes]:
     chat = shape.chat
-    readers = [_reader(prepared) for _ in range(num)]  # what of each choice is streamed
-    sent_tokens = [0] * num  # tokens of each choice whose logprobs were streamed
+    # What of each choice is streamed.
+    readers = [output_reader(prepared.tools, prepared.tool_format) for _ in range(num)]
     last: list[ReqOutput | None] = [None] * num
     if chat:
         for i in range(num):
@@ -431,10 +305,8 @@ async def _stream_chunks(rid: str, created: int, model: str,
     async for i, out in outputs:
         last[i] = out
         piece, calls = readers[i].feed(out.text, out.finished)
-        reason = _finish_reason(out, readers[i])
-        logprobs = shape.logprobs(i, out, sent_tokens[i])
-        new_tokens = out.completion_tokens > sent_tokens[i]
-        sent_tokens[i] = out.completion_tokens
+        reason = tool_finish_reason(finish_reason(out), readers[i])
+        logprobs, new_tokens = shape.new_logprobs(i, out)
         if calls:  # each call whole, numbered across the choice's calls
             if piece or logprobs:
                 yield _chunk(rid, created, model, i, piece, None, chat, logprobs=logprobs)

@@ -1,4 +1,5 @@
-"""OpenAI `tools` / `tool_choice` on /v1/chat/completions: the request side.
+"""OpenAI `tools` / `tool_choice` on /v1/chat/completions: the plan a request's tools make,
+and the reading of the output for calls.
 
 Tools are rendered by the model's chat template (`tools=` as in transformers); a template that
 ignores them is refused. `tool_choice`:
@@ -9,6 +10,9 @@ ignores them is refused. `tool_choice`:
 - `required` / a named function: the output is constrained by a JSON schema grammar, so it is
   always a valid call: an array of `{"name", "arguments"}` objects, or the named function's
   arguments object.
+
+The output is read by a `ToolStreamParser` (`tool_parser.py`) when tools are in play, else by a
+`TextReader` (all text is content); a choice that made calls finishes with `tool_calls`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from airserve.srt.constrained.spec import GrammarSpec, check_grammar
+from airserve.srt.entrypoints.tool_parser import ToolCall, ToolStreamParser
 from airserve.srt.sampling.sampling_params import FieldError
 from airserve.srt.tokenizer import Tokenizer
 
@@ -168,3 +173,38 @@ def template_message(message: dict) -> dict:
                 pass  # the template gets the string as it came
         out.append({**call, "function": fn})
     return {**message, "tool_calls": out}
+
+
+# The output side.
+class TextReader:
+    """The plain answer's reader: all text is content (same interface as ToolStreamParser)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        piece, self.sent = text[self.sent:], len(text)
+        return piece, []
+
+
+def output_reader(plan: ToolPlan | None, tool_format: str) -> TextReader | ToolStreamParser:
+    """A reader for one choice's cumulative text: `feed(text, finished) -> (new content, new
+    calls)`. `tool_format`: how the template writes calls (`tool_parser.template_format`)."""
+    if plan is None:
+        return TextReader()
+    return ToolStreamParser(plan.mode, tool_format, plan.names, plan.name)
+
+
+def tool_finish_reason(reason: str | None,
+                       reader: TextReader | ToolStreamParser) -> str | None:
+    """OpenAI's finish_reason: `tool_calls` for a choice that stopped after making calls."""
+    return "tool_calls" if reason == "stop" and reader.calls else reason
+
+
+def chat_message(content: str, calls: list[ToolCall]) -> dict:
+    """A non-streamed chat choice's `message`: content null when calls alone answer."""
+    message: dict = {"role": "assistant", "content": content or None if calls else content}
+    if calls:
+        message["tool_calls"] = [c.to_dict() for c in calls]
+    return message

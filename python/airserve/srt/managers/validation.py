@@ -27,6 +27,7 @@ from airserve.srt.sampling.sampling_params import (
     show,
 )
 
+MAX_SAMPLES = 64  # n: parallel samples per prompt; more is refused, not queued
 MAX_JSON_DEPTH = 32  # the deepest real request (chat content parts) nests 4 levels
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -172,6 +173,33 @@ def validate_request(input_ids: object, sampling_params: Mapping | SamplingParam
 
 
 MAX_TOP_LOGPROBS = 100  # top logprobs per position; more would only bloat the answer
+
+
+def prompt_sampling_params(raw: object, num_prompts: int,
+                           name: str = "sampling_params") -> tuple[list[SamplingParams], int]:
+    """A request's `sampling_params` (SGLang's): one dict for every prompt or a list of one per
+    prompt. Returns one SamplingParams per prompt and `n`, the samples per prompt (the same for
+    every prompt). FieldError names the bad field under `name`."""
+    if raw is None or isinstance(raw, Mapping):
+        samples, rest = _pop_n(raw, f"{name}.")
+        return [SamplingParams.from_dict(rest, prefix=f"{name}.")] * num_prompts, samples
+    if not isinstance(raw, (list, tuple)):
+        raise FieldError(name, f"must be an object or a list of objects, got {show(raw)}")
+    if len(raw) != num_prompts:
+        raise FieldError(name, f"has {len(raw)} entries for {num_prompts} prompts")
+    popped = [_pop_n(p, f"{name}.{i}.") for i, p in enumerate(raw)]
+    if len({samples for samples, _ in popped}) > 1:
+        raise FieldError(f"{name}.n", "must be the same for every prompt")
+    return [SamplingParams.from_dict(p, prefix=f"{name}.{i}.")
+            for i, (_, p) in enumerate(popped)], popped[0][0]
+
+
+def _pop_n(raw: object, prefix: str) -> tuple[int, object]:
+    """`n` (1 when absent or null) and the sampling parameters without it."""
+    if not isinstance(raw, Mapping) or raw.get("n") is None:
+        return 1, raw
+    rest = {k: v for k, v in raw.items() if k != "n"}
+    return expect_int(prefix + "n", raw["n"], 1, MAX_SAMPLES), rest
 
 
 def parse_logprob(body: Mapping, prompt_len: int, max_new_tokens: int) -> LogprobParams | None:

@@ -29,6 +29,12 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 NO_EFFECT = frozenset({"stream_interval"})
 
 
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of a request's `sample`-th sample (n > 1): samples with one seed would all be
+    equal, so it is offset per sample (wrapping within the 64-bit range)."""
+    return None if seed is None else (seed + sample) % (INT64_MAX + 1)
+
+
 class FieldError(ValueError):
     """A request field is missing, of the wrong type or out of range; `field` names it."""
 
