@@ -65,7 +65,8 @@ class ModelRunner:
                                              args.resolved_packed_decode_max_bs,
                                              args.openvino_packed_weights,
                                              args.cpu_decode_activations, tp=self.tp,
-                                             large_path=args.resolved_large_path)
+                                             large_path=args.resolved_large_path,
+                                             float32_matmul=args.resolved_float32_matmul)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
