@@ -52,9 +52,10 @@ FIDELITY = {
 }
 
 
-# The batch size oneDNN chooses the reordered weight's layout for. Measured on the default
-# model's shapes (benchmark/kernels/bench_matmul_paths.py --float32-impls, 2 threads, AVX2):
-# see ONEDNN_BATCH_HINT_NOTE in the README's performance section.
+# The batch size oneDNN lays the reordered weight out for. On the default model's shapes
+# (benchmark/kernels/bench_matmul_paths.py --onednn-hints, 2 threads, AVX2 EPYC) hints of 16,
+# 64, 256 and 1024 differed by less than the noise of the shared machine at M = 9..2048, and
+# every hint beat sgemm at M >= 64; 64 is the decode batch the packed limit hands over to.
 ONEDNN_BATCH_HINT = 64
 
 
