@@ -54,8 +54,9 @@ FIDELITY = {
 
 # The batch size oneDNN lays the reordered weight out for. On the default model's shapes
 # (benchmark/kernels/bench_matmul_paths.py --onednn-hints, 2 threads, AVX2 EPYC) hints of 16,
-# 64, 256 and 1024 differed by less than the noise of the shared machine at M = 9..2048, and
-# every hint beat sgemm at M >= 64; 64 is the decode batch the packed limit hands over to.
+# 64, 256 and 1024 differed by less than the noise of the shared machine at M = 9..2048
+# (results/matmul_float32_onednn_hints_amd_epyc_avx2.json), all ahead of sgemm in most rows;
+# 64 (the W2 decode batch) stays.
 ONEDNN_BATCH_HINT = 64
 
 
