@@ -116,6 +116,9 @@ class ModelRunner:
         wanted = max(self.context_len,
                      max_running * min(self.context_len, DEFAULT_KV_TOKENS_PER_REQUEST))
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Weights reordered for oneDNN are held outside the parameters.
+        weights += sum(m.weight_onednn.nbytes for m in self.model.modules()
+                       if getattr(m, "weight_onednn", None) is not None)
         budget = args.resolved_mem_fraction_static * self._total_memory() - weights
         fits = int(budget // per_token)
         if fits < page * 2:
