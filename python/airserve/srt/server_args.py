@@ -81,8 +81,8 @@ class ServerArgs:
     cpu_decode_activations: str = "float32"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
-    # torch has it. Same float32 arithmetic; oneDNN was ~1.3-1.8x faster at decode batches of
-    # 64 on this model (layers/quant/matmul_paths.py, ONEDNN_BATCH_HINT).
+    # torch has it. Same float32 arithmetic; on the default model's decode batch of 64 the
+    # products were ~1.25-1.6x faster in a microbenchmark, the whole step 2-15% (README).
     cpu_float32_matmul: str = "auto"
 
     # Tensor parallelism (SGLang's flags): tp_size ranks, one process each, over nnodes
