@@ -7,7 +7,10 @@ The weight is a random Q4_1 (lm_head: Q8_0) weight, dequantized, so every path m
 same values. Candidates, all interleaved in one loop (each repeat times every candidate once,
 so a busy machine slows all alike), medians reported:
 
-  f32            F.linear in float32 (oneDNN/MKL sgemm)
+  f32            F.linear in float32 (MKL sgemm): --cpu-float32-matmul sgemm
+  f32_onednn     airserve's float32 path by oneDNN over the weight reordered once
+                 (--cpu-float32-matmul onednn, matmul_paths.ONEDNN_BATCH_HINT)
+  onednn_h<B>    the same with the weight reordered for batch hint B (--onednn-hints B ...)
   bf16           F.linear with bf16 activations and weights (what --dtype bfloat16 runs)
   f32_bf16w      x cast to bf16, bf16 F.linear, result cast back (a bf16 path in a float32 model)
   fp16w          fbgemm: fp16 weights, float32 arithmetic (quantized::linear_dynamic_fp16)
@@ -24,6 +27,8 @@ so a busy machine slows all alike), medians reported:
 Each row also gives the relative error of the product against float64 (Frobenius norm).
 
     python benchmark/kernels/bench_matmul_paths.py [--rows 16 64 256 1024 2048] [--json F]
+    python benchmark/kernels/bench_matmul_paths.py --candidates f32 f32_onednn \
+        --onednn-hints 16 256 --rows 9 16 32 64 128 512 2048     # float32 implementations
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ from bench_kernels import cpu_info, make_weight
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 3072),
           (576, 49152))
 LM_HEAD_MAX_ROWS = 256
-CANDIDATES = ("f32", "bf16", "f32_bf16w", "fp16w", "int8pack", "fbgemm_int8", "onednn_int8",
-              "w8a8_int8", "torchao_int8", "block_int8", "block_f32")
+CANDIDATES = ("f32", "f32_onednn", "bf16", "f32_bf16w", "fp16w", "int8pack", "fbgemm_int8",
+              "onednn_int8", "w8a8_int8", "torchao_int8", "block_int8", "block_f32")
 
 
 def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +97,22 @@ def _torchao_linear(w: torch.Tensor) -> Callable | None:
     return lin
 
 
-def _airserve_path(w: torch.Tensor, path: str) -> Callable:
+def _airserve_path(w: torch.Tensor, path: str, float32_impl: str = "sgemm") -> Callable:
     from airserve.srt.layers.linear import Linear
 
     layer = Linear(w.shape[1], w.shape[0], bias=False)
     layer.weight.data = w.clone()
-    layer.set_large_path(path)
+    layer.set_large_path(path, float32_impl=float32_impl)
     return layer
+
+
+def _onednn_hint(w: torch.Tensor, hint: int) -> Callable | None:
+    from airserve.srt.layers.quant.matmul_paths import onednn_available, pack_float32
+
+    if not onednn_available():
+        return None
+    packed = pack_float32(w, hint)
+    return lambda x: torch.ops.airserve.onednn_linear(x, packed.handle)
 
 
 def _blocks(packed, activations: str) -> Callable:
@@ -118,6 +132,9 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
     wb = w.bfloat16()
     fns: dict[str, Callable | None] = {
         "f32": lambda x: F.linear(x, w),
+        "f32_onednn": (_airserve_path(w, "float32", "onednn")
+                       if "f32_onednn" in names and torch.backends.mkldnn.is_available()
+                       else None),
         "bf16": lambda x: F.linear(x, wb),  # x is given in bf16 (see time_shape)
         "f32_bf16w": lambda x: F.linear(x.bfloat16(), wb).float(),
         "fp16w": _fp16_weight_linear(w),
@@ -130,6 +147,9 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
         "block_int8": _blocks(packed, "int8"),
         "block_f32": _blocks(packed, "float32"),
     }
+    for name in names:
+        if name.startswith("onednn_h"):
+            fns[name] = _onednn_hint(w, int(name.removeprefix("onednn_h")))
     return w, {name: fns[name] for name in names if fns.get(name) is not None}
 
 
@@ -165,6 +185,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
     p.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
+    p.add_argument("--onednn-hints", type=int, nargs="*", default=[],
+                   help="also time oneDNN float32 with the weight reordered for these batch "
+                        "hints (candidates onednn_h<B>)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
@@ -173,7 +196,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
     from airserve.srt.layers.quant import block_matvec
 
-    names = list(a.candidates)
+    names = list(a.candidates) + [f"onednn_h{b}" for b in a.onednn_hints]
     if not block_matvec.kernels_available():
         print(f"airserve's block kernels did not build ({block_matvec.unavailable_reason()})")
         names = [n for n in names if not n.startswith("block_")]

@@ -82,6 +82,11 @@ class ServerArgs:
     # Q4_1 model (top-1 98.09%, perplexity +0.21%) but misses top-1 >= 98% for Q4_K_M (97.14%)
     # and Q6_K (97.84%); test/srt/layers/test_fidelity.py ties the default to the short check.
     cpu_decode_activations: str = "float32"
+    # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
+    # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
+    # torch has it. Same float32 arithmetic; on the default model's decode batch of 64 the
+    # products were ~1.25-1.6x faster in a microbenchmark, the whole step 2-15% (README).
+    cpu_float32_matmul: str = "auto"
 
     # Tensor parallelism (SGLang's flags): tp_size ranks, one process each, over nnodes
     # machines (tp_size / nnodes ranks per machine); rank 0 schedules. dist_init_addr
@@ -238,6 +243,7 @@ class ServerArgs:
             raise ValueError(f"--quantization {self.quantization} is implemented on cpu only; "
                              f"drop it for --device {self.device}")
         _ = self.resolved_large_path  # a ValueError naming the fix on a CPU that lacks it
+        _ = self.resolved_float32_matmul
 
     # Derived values.
     @property
@@ -252,6 +258,17 @@ class ServerArgs:
         from airserve.srt.layers.quant.matmul_paths import choose_large_path
 
         return choose_large_path(self.dtype, self.quantization, host_cpu()[1])
+
+    @property
+    def resolved_float32_matmul(self) -> str:
+        """The float32 path's implementation (matmul_paths.FLOAT32_IMPLS): sgemm off cpu, under
+        OpenVINO (its graphs read the plain weights) and when another path is chosen."""
+        from airserve.srt.layers.quant.matmul_paths import choose_float32_impl
+
+        impl = choose_float32_impl(self.cpu_float32_matmul)  # checks the value everywhere
+        if self.device != "cpu" or self.uses_openvino or self.resolved_large_path != "float32":
+            return "sgemm"
+        return impl
 
     @property
     def resolved_page_size(self) -> int:
@@ -378,6 +395,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.cpu_decode_activations,
                    help="activations of the packed decode products: int8 (integer dot "
                         "products, VNNI where the CPU has it) or float32 (exact)")
+    g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
+                   default=d.cpu_float32_matmul,
+                   help="float32 products of prefill and batches above the packed limit: "
+                        "onednn (weights reordered for oneDNN), sgemm (F.linear); auto: onednn "
+                        "where torch has it")
 
     g = parser.add_argument_group("tensor parallelism")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,

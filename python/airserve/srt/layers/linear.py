@@ -1,10 +1,12 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
-use (`quant.matmul_paths`: float32, bfloat16 or w8a8_int8). `Linear.path_for(rows)` is the one
-place that decides which product an input of `rows` rows takes."""
+use (`quant.matmul_paths`: float32, bfloat16 or w8a8_int8; float32 by oneDNN over a reordered
+weight or by sgemm over the plain one). `Linear.path_for(rows)` is the one place that decides
+which product an input of `rows` rows takes."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +19,16 @@ from airserve.srt.layers.quant.block_matvec import (
     PackedWeight,
     block_matmul,
 )
-from airserve.srt.layers.quant.matmul_paths import PATHS, Int8Weight, pack_int8, w8a8_linear
+from airserve.srt.layers.quant.matmul_paths import (
+    FLOAT32_IMPLS,
+    PATHS,
+    Float32Weight,
+    Int8Weight,
+    onednn_linear,
+    pack_float32,
+    pack_int8,
+    w8a8_linear,
+)
 
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
@@ -34,6 +45,7 @@ class Linear(nn.Linear):
     packed_activations: str = "float32"  # or "int8": see block_matvec.block_matmul
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
+    weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
     # bfloat16's weight [N, K] is the buffer weight_bf16 (set by set_large_path).
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
@@ -83,25 +95,55 @@ class Linear(nn.Linear):
     def _segment(self, i: int) -> tuple:
         return tuple(getattr(self, _buffer(field, i)) for field in ("qs", "d", "m"))
 
-    def set_large_path(self, path: str, keep_float: bool = False) -> None:
+    def set_large_path(self, path: str, keep_float: bool = False,
+                       float32_impl: str = "sgemm") -> None:
         """Make inputs above the packed limit multiply through `path` (matmul_paths.PATHS),
         building its weight form from the float32 weight (or the blocks). The float32 weight is
-        freed unless the path is float32 or `keep_float` (a weight shared with an embedding)."""
+        freed unless the path is float32 or `keep_float` (a weight shared with an embedding).
+        float32 with `float32_impl` "onednn" reorders the float32 weight for oneDNN in its place;
+        a layer without one (blocks only: they dequantize per chunk) or with `keep_float`
+        (a second float32 copy) stays on sgemm."""
         if path not in PATHS:
             raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
-        if path != "float32" and _has_no_weight(self.weight, self.packed_kind):
+        if float32_impl not in FLOAT32_IMPLS:
+            raise ValueError(f"float32_impl {float32_impl!r}: choose one of "
+                             f"{', '.join(FLOAT32_IMPLS)}")
+        if path != "float32" and _has_no_weight(self.float_source, self.packed_kind):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
         self.register_buffer("weight_bf16", self.float_weight().bfloat16()
                              if path == "bfloat16" else None, persistent=False)
         self.weight_int8 = pack_int8(self.float_weight()) if path == "w8a8_int8" else None
+        onednn = (path == "float32" and float32_impl == "onednn" and not keep_float
+                  and self.float_source is not None)
+        if onednn and self.weight_onednn is None:
+            self.weight_onednn = pack_float32(self.weight)
+        elif not onednn and self.weight_onednn is not None:
+            if path == "float32" or keep_float:  # back to (or also) the plain weight
+                self.weight = nn.Parameter(self.weight_onednn.dense(), requires_grad=False)
+            self.weight_onednn = None
         self.large_path = path
-        if path != "float32" and not keep_float and self.weight is not None:
+        if (onednn or path != "float32") and not keep_float and self.weight is not None:
             self.register_parameter("weight", None)
+
+    @property
+    def float_source(self) -> torch.Tensor | Float32Weight | None:
+        """The float32 weight in whichever form the layer holds it (None: blocks only)."""
+        return self.weight if self.weight_onednn is None else self.weight_onednn
+
+    @property
+    def float32_impl(self) -> str:
+        """How the float32 path multiplies: "onednn", "sgemm", or "dequantized" (blocks
+        dequantized a chunk at a time, no float32 weight held)."""
+        if self.weight_onednn is not None:
+            return "onednn"
+        return "sgemm" if self.weight is not None else "dequantized"
 
     def float_weight(self) -> torch.Tensor:
         """The float32 [N, K] weight: the parameter, or the blocks dequantized."""
         if self.weight is not None:
             return self.weight.float()
+        if self.weight_onednn is not None:
+            return self.weight_onednn.dense()
         return torch.cat([p.dequantize() for p in self.packed_parts])
 
     def path_for(self, rows: int) -> str:
@@ -111,6 +153,8 @@ class Linear(nn.Linear):
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product with `rows` input rows reads."""
         path = self.path_for(rows)
+        if path == "float32" and self.weight_onednn is not None:
+            return self.weight_onednn.nbytes
         if self.packed_kinds and (path == "packed" or (path == "float32" and self.weight is None)):
             return sum(p.nbytes for p in self.packed_parts)
         if path == "bfloat16":
@@ -133,6 +177,8 @@ class Linear(nn.Linear):
             out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
         elif path == "w8a8_int8":
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
+        elif self.weight_onednn is not None:
+            out = onednn_linear(x.contiguous(), self.weight_onednn.handle)
         elif self.weight is None:
             return self._dequantized_linear(x)
         else:
@@ -192,7 +238,7 @@ def packed_report(layers: list[Linear]) -> dict:
     packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
     activations = sorted({m.packed_activations for m in packed})
     report = {"cpu_decode_activations": activations[0] if len(activations) == 1 else activations,
-              "blocks_only_layers": sum(m.weight is None for m in packed)}
+              "blocks_only_layers": sum(m.float_source is None for m in packed)}
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
     if "float32" in activations:
@@ -207,4 +253,7 @@ def matmul_path_report(layers: list[Linear]) -> list[dict]:
     large = sorted({m.large_path for m in layers})
     ranges = [{"rows": f"1-{limit}", "path": "packed"}] if limit else []
     ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
+    if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
+        impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
+        ranges[-1]["float32_impl"] = dict(sorted(impls.items()))
     return ranges

@@ -72,7 +72,8 @@ class ModelRunner:
                                              args.resolved_packed_decode_max_bs,
                                              args.openvino_packed_weights,
                                              args.cpu_decode_activations, tp=self.tp,
-                                             large_path=args.resolved_large_path)
+                                             large_path=args.resolved_large_path,
+                                             float32_matmul=args.resolved_float32_matmul)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
@@ -122,6 +123,9 @@ class ModelRunner:
         wanted = max(self.context_len,
                      max_running * min(self.context_len, DEFAULT_KV_TOKENS_PER_REQUEST))
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Weights reordered for oneDNN are held outside the parameters.
+        weights += sum(m.weight_onednn.nbytes for m in self.model.modules()
+                       if getattr(m, "weight_onednn", None) is not None)
         budget = args.resolved_mem_fraction_static * self._total_memory() - weights
         fits = int(budget // per_token)
         if fits < page * 2:

@@ -98,6 +98,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
                decode_activations: str = "float32",
                tp: TPGroup = SINGLE,
                large_path: str = "float32",
+               float32_matmul: str = "sgemm",
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model (this rank's shard of it under tensor parallelism) and load its weights.
     A GGUF's block-quantized linear weights are also kept as blocks (cpu only) when
@@ -113,7 +114,9 @@ def load_model(model_path: str | None, dtype: str, device: str,
 
     `large_path` (matmul_paths.PATHS; cpu) is how inputs above the packed limit multiply; a path
     other than float32 replaces the float32 weights with its own form (bf16 or packed int8),
-    built from the blocks: those layers never load a float32 copy."""
+    built from the blocks: those layers never load a float32 copy. With the float32 path,
+    `float32_matmul` "onednn" reorders each float32 weight for oneDNN in place of the plain one
+    (matmul_paths.FLOAT32_IMPLS; not a tied lm_head's, which the embedding reads)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -144,8 +147,8 @@ def load_model(model_path: str | None, dtype: str, device: str,
         blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if large_path != "float32":
-        set_large_path(model, large_path)
+    if large_path != "float32" or float32_matmul != "sgemm":
+        set_large_path(model, large_path, float32_matmul)
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device,
                 f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
@@ -185,10 +188,10 @@ def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
     return dropped
 
 
-def set_large_path(model: torch.nn.Module, path: str) -> int:
-    """Give every linear layer the weight form of `path` for inputs above the packed limit;
-    a weight shared with an embedding (tied lm_head) stays for the lookups. Returns how many
-    layers changed."""
+def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm") -> int:
+    """Give every linear layer the weight form of `path` (float32: by `float32_impl`) for
+    inputs above the packed limit; a weight shared with an embedding (tied lm_head) stays for
+    the lookups. Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding
     from airserve.srt.layers.linear import Linear
 
@@ -197,6 +200,7 @@ def set_large_path(model: torch.nn.Module, path: str) -> int:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
-        layer.set_large_path(path, keep_float=tied)
-    logger.info("linear layers multiply inputs above the packed limit through %s", path)
+        layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl)
+    logger.info("linear layers multiply inputs above the packed limit through %s%s", path,
+                f" ({float32_impl})" if path == "float32" else "")
     return len(layers)

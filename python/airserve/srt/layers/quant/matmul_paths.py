@@ -15,6 +15,11 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
 
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).
+
+The float32 path has two implementations (`FLOAT32_IMPLS`, --cpu-float32-matmul): "sgemm",
+F.linear over the plain [N, K] weight, and "onednn", oneDNN's float32 matmul over the weight
+reordered once into oneDNN's blocked layout (`pack_float32`). Both are float32 products; they
+differ only in summation order. The reordered weight replaces the plain one.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PATHS = ("float32", "bfloat16", "w8a8_int8")
+FLOAT32_IMPLS = ("onednn", "sgemm")
 QUANTIZATIONS = ("w8a8_int8",)  # --quantization values; None: the path follows --dtype
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
 
@@ -44,6 +50,33 @@ FIDELITY = {
     "bfloat16": {"passed": True, "top1_agreement": 0.9859, "ppl_change": 0.0033},
     "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
 }
+
+
+# The batch size oneDNN lays the reordered weight out for. On the default model's shapes
+# (benchmark/kernels/bench_matmul_paths.py --onednn-hints, 2 threads, AVX2 EPYC) hints of 16,
+# 64, 256 and 1024 differed by less than the noise of the shared machine at M = 9..2048
+# (results/matmul_float32_onednn_hints_amd_epyc_avx2.json), all ahead of sgemm in most rows;
+# 64 (the W2 decode batch) stays.
+ONEDNN_BATCH_HINT = 64
+
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN (mkldnn) for CPU matmuls."""
+    return torch.backends.mkldnn.is_available()
+
+
+def choose_float32_impl(requested: str) -> str:
+    """The float32 implementation for --cpu-float32-matmul `requested` ("auto", or one of
+    `FLOAT32_IMPLS`). Raises ValueError naming the flag when oneDNN is requested but absent."""
+    if requested == "auto":
+        return "onednn" if onednn_available() else "sgemm"
+    if requested not in FLOAT32_IMPLS:
+        raise ValueError(f"cpu_float32_matmul={requested!r}: choose auto or one of "
+                         f"{', '.join(FLOAT32_IMPLS)}")
+    if requested == "onednn" and not onednn_available():
+        raise ValueError("--cpu-float32-matmul onednn: this torch has no oneDNN (mkldnn) CPU "
+                         "backend; use --cpu-float32-matmul sgemm (or auto)")
+    return requested
 
 
 def cpu_has_bf16(flags: frozenset[str]) -> bool:
@@ -148,3 +181,57 @@ def pack_int8(weight: torch.Tensor) -> Int8Weight:
 def w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """x float32 [M, K] -> [M, N] through the packed int8 weight `handle`."""
     return torch.ops.airserve.w8a8_linear(x, handle)
+
+
+@dataclass
+class Float32Weight:
+    """A [N, K] float32 weight reordered into oneDNN's blocked layout (an opaque mkldnn
+    tensor: compiled graphs reach it only through its handle)."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+    handle: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 4
+
+    def dense(self) -> torch.Tensor:
+        """The plain [N, K] float32 weight (a new tensor)."""
+        return self.packed.to_dense()
+
+
+_FLOAT32_WEIGHTS: weakref.WeakValueDictionary[int, Float32Weight] = \
+    weakref.WeakValueDictionary()
+
+_lib.define("onednn_linear(Tensor x, int handle) -> Tensor")
+
+
+@torch.library.impl(_lib, "onednn_linear", "CPU")
+def _onednn_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _FLOAT32_WEIGHTS[handle].packed, None,
+                                              "none", [], "")
+
+
+@torch.library.register_fake("airserve::onednn_linear")
+def _onednn_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _FLOAT32_WEIGHTS[handle].out_features)
+
+
+def pack_float32(weight: torch.Tensor, batch_hint: int = ONEDNN_BATCH_HINT) -> Float32Weight:
+    """Reorder a float32 [N, K] weight for oneDNN's matmul (laid out for inputs of about
+    `batch_hint` rows); the caller keeps the result, `onednn_linear` takes its handle."""
+    if not onednn_available():
+        raise RuntimeError("torch has no oneDNN (mkldnn) here: --cpu-float32-matmul onednn "
+                           "is unavailable")
+    w = weight.detach().float().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+    weight_f32 = Float32Weight(packed, w.shape[0], w.shape[1], next(_handles))
+    _FLOAT32_WEIGHTS[weight_f32.handle] = weight_f32
+    return weight_f32
+
+
+def onednn_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] through the reordered weight `handle`."""
+    return torch.ops.airserve.onednn_linear(x, handle)
