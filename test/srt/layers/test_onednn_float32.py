@@ -103,10 +103,17 @@ def test_dispatch_per_rows_from_blocks_and_weight_bytes():
         "onednn": 1, "sgemm": 1}
 
 
-def test_kept_float_stays_sgemm_and_paths_switch_back():
-    tied, _, _ = onednn_layer(64, 32, bias=False)
+def test_kept_float_is_reordered_beside_it_and_paths_switch_back():
+    torch.manual_seed(0)
+    tied = Linear(64, 32, bias=False)
+    shared, w = tied.weight, tied.weight.detach().double().clone()
     tied.set_large_path("float32", keep_float=True, float32_impl="onednn")
-    assert tied.float32_impl == "sgemm" and tied.weight is not None
+    # A tied lm_head: the embedding keeps reading the same plain tensor; products above the
+    # packed limit use the reordered copy.
+    assert tied.float32_impl == "onednn" and tied.weight is shared
+    x = torch.randn(7, 64)
+    assert "airserve::onednn_linear" in ops_run(lambda: tied(x))
+    assert relative_error(tied(x), x.double() @ w.T) < TOLERANCE
     layer, w, _ = onednn_layer(64, 32, bias=False)
     layer.set_large_path("bfloat16")  # built from the reordered weight, which then goes
     assert layer.weight_onednn is None and layer.weight is None

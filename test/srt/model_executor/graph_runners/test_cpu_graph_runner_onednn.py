@@ -13,7 +13,7 @@ from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
 from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
-from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side
+from airserve_testing import make_runner, random_prompts, run_side_by_side
 from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
 
 # Both float32; only the summation order differs (oneDNN vs sgemm, inductor's fusions).
@@ -47,9 +47,9 @@ def test_weights_and_report(runners):
     graph, _, sgemm = runners
     layers = linears(graph)
     lm_head = graph.model.lm_head
-    # One float32 form per layer: the reordered one, except the tied lm_head's plain weight,
-    # which is the embedding's own tensor (not a copy).
-    assert lm_head.float32_impl == "sgemm"
+    # One float32 form per layer: the reordered one; the tied lm_head keeps the embedding's
+    # own tensor (not a copy) beside its reordered form.
+    assert lm_head.float32_impl == "onednn"
     assert lm_head.weight.data_ptr() == graph.model.model.embed_tokens.weight.data_ptr()
     others = [m for m in layers if m is not lm_head]
     assert others and all(m.weight is None and m.float32_impl == "onednn" for m in others)
@@ -59,7 +59,7 @@ def test_weights_and_report(runners):
     assert graph.kernels_report()["matmul_paths"] == [
         {"rows": f"1-{PACKED_LIMIT}", "path": "packed"},
         {"rows": f"{PACKED_LIMIT + 1}+", "path": "float32",
-         "float32_impl": {"onednn": len(others), "sgemm": 1}}]
+         "float32_impl": {"onednn": len(others) + 1}}]
     assert {m.float32_impl for m in linears(sgemm)} == {"sgemm"}
 
 
