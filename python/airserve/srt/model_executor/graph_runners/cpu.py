@@ -40,6 +40,7 @@ from airserve.srt.model_executor.graph_runners.bucket_store import (
     TensorIndex,
     cache_key_parts,
 )
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class CPUGraphRunner(GraphRunner):
         self.dynamo_replays = 0
         self.graphs_at_capture = 0
         # Buckets stored under --compile-cache-dir: loaded at start-up instead of compiled.
-        self.store = self.open_store(model_runner)
+        self.store = self.open_store(model_runner.runner_config,
+                                     getattr(model_runner.tp, "rank", 0),
+                                     model_runner.max_running_requests)
         self.loaded: dict[int, float] = {}  # bucket -> seconds to load it
         self.stale: dict[int, str] = {}  # bucket -> why its stored graph was not used
         self.unstored: dict[int, str] = {}  # bucket -> why its compiled graph was not stored
@@ -107,12 +110,12 @@ class CPUGraphRunner(GraphRunner):
         super().__init__(model_runner)
 
     @staticmethod
-    def open_store(model_runner) -> BucketStore | None:
-        config = model_runner.runner_config
+    def open_store(config: RunnerConfig, tp_rank: int,
+                   max_running_requests: int) -> BucketStore | None:
+        """The stored buckets of this model and these flags (None without a cache dir)."""
         if config.compile_cache_dir is None or config.compile_backend != "inductor":
             return None
-        extra = {"tp_rank": getattr(model_runner.tp, "rank", 0),
-                 "max_running_requests": model_runner.max_running_requests}
+        extra = {"tp_rank": tp_rank, "max_running_requests": max_running_requests}
         return BucketStore(config.compile_cache_dir,
                            cache_key_parts(config.resolved_model_path, config.graph_flags, extra))
 
