@@ -2,14 +2,17 @@
 dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
-denser schedule: every bucket is a separate inductor compile (measured on 2 cores, SmolLM2-135M:
-about a minute cold, 4-10 s warm from inductor's on-disk cache, see `--compile-cache-dir`), and a
-padded row costs far less than a compile. `--cuda-graph-bs` still picks any sizes.
+denser schedule: every bucket is a separate inductor compile, and a padded row costs far less
+than a compile. `--cuda-graph-bs` still picks any sizes. With `--compile-cache-dir` every
+compiled bucket is stored (bucket_store.py) and a restart with the same model and flags loads it
+without dynamo or inductor's compile; a stale stored bucket is logged, counted in the report
+(`stale_buckets`) and compiled again.
 
 Replay calls each bucket's compiled graph directly with the tensors it was compiled on (the
 model's weights, the KV buffers and the bucket's static batch, all at fixed addresses), so no
 dynamo frame runs per step: no guard evaluation, no cache lookup, no input flattening (~1-2 ms
-a step on 2 cores). The first replay of a bucket still goes through dynamo and checks that
+a step on 2 cores). A loaded bucket replays directly from the start. The first replay of a
+compiled bucket still goes through dynamo and checks that
 dynamo hands the graph those tensors (or views of the same memory, which the capture-time
 tensors keep alive); a bucket that fails the check keeps replaying through dynamo (guards
 skipped), logged and counted in the report (`dynamo_replays`).
