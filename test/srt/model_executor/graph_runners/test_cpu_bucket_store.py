@@ -12,10 +12,16 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from airserve.srt.model_executor.graph_runners.bucket_store import file_sha256
+from airserve.srt.model_executor.graph_runners.bucket_store import (
+    StaleBucket,
+    TensorIndex,
+    file_sha256,
+)
 from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
 from airserve.srt.server_args import ServerArgs
@@ -98,3 +104,19 @@ def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_q
         assert store_dir(tiny_llama_dir, cache) != warm["store_dir"]
     finally:
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_input_of_another_size_or_name_is_stale():
+    """A stored graph's input is rebuilt only from a tensor of the same name, dtype and shape:
+    a KV pool of another size would otherwise give the graph a prefix of the new pool."""
+    pool = torch.zeros(10, 4)
+    spec = TensorIndex({"kv": SimpleNamespace(k_buffers=[pool])}).describe(pool[2:5])
+    assert spec["name"] == "kv.k_buffers.0" and spec["offset"] == 8
+    view = TensorIndex({"kv": SimpleNamespace(k_buffers=[torch.ones(10, 4)])}).rebuild(spec)
+    assert view.shape == (3, 4) and view.sum() == 12
+    with pytest.raises(StaleBucket, match="stored graph's is"):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[torch.zeros(20, 4)])}).rebuild(spec)
+    with pytest.raises(StaleBucket, match="no tensor kv.k_buffers.0"):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).rebuild(spec)
+    with pytest.raises(KeyError):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).describe(pool)

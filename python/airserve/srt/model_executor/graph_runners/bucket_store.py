@@ -24,7 +24,7 @@ import torch
 import airserve
 from airserve.srt.hardware import host_cpu
 
-FORMAT = 1  # bump when the manifest's layout changes
+FORMAT = 2  # bump when the manifest's layout changes
 
 
 class StaleBucket(Exception):
@@ -91,7 +91,8 @@ class TensorIndex:
         if name is None or self.by_name[name].dtype != arg.dtype:
             raise KeyError(f"graph input {tuple(arg.shape)} {arg.dtype} has no name")
         return {"name": name, "shape": list(arg.shape), "stride": list(arg.stride()),
-                "offset": arg.storage_offset(), "dtype": str(arg.dtype)}
+                "offset": arg.storage_offset(), "dtype": str(arg.dtype),
+                "base_shape": list(self.by_name[name].shape)}
 
     def rebuild(self, spec: dict) -> object:
         """The graph input `spec` describes, as a view of this process's tensor."""
@@ -100,6 +101,10 @@ class TensorIndex:
         base = self.by_name.get(spec["name"])
         if base is None or str(base.dtype) != spec["dtype"]:
             raise StaleBucket(f"no tensor {spec['name']} of dtype {spec['dtype']}")
+        # A KV pool or table of another size holds other slots than the graph was compiled on.
+        if list(base.shape) != spec["base_shape"]:
+            raise StaleBucket(f"{spec['name']} is {list(base.shape)}, the stored graph's is "
+                              f"{spec['base_shape']}")
         end = spec["offset"] + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
         if end >= base.untyped_storage().nbytes() // base.element_size():
             raise StaleBucket(f"{spec['name']} is smaller than the stored graph's view")
@@ -131,7 +136,7 @@ class BucketStore:
         art_path, man_path = self.paths(bs)
         artifact.save(path=art_path, format="binary")
         manifest = {"inputs": specs, "sha256": file_sha256(art_path)}
-        tmp = man_path + ".tmp"
+        tmp = f"{man_path}.{os.getpid()}.tmp"  # starts sharing the directory never collide
         with open(tmp, "w") as f:
             json.dump(manifest, f)
         os.replace(tmp, man_path)
