@@ -2,8 +2,9 @@
 
 Runs the model runner's start-up (model load, kernels, one compiled decode graph per bucket)
 twice in fresh processes on one new compile-cache directory: cold (empty cache), then warm
-(inductor's on-disk caches filled by the cold run). Prints seconds per phase and per bucket;
-JSON with `--json`. Goals (issue 16): cold <= 60 s, warm <= 10 s.
+(the buckets the cold run compiled and stored are loaded, see bucket_store.py). Prints seconds
+per phase and per bucket and which buckets were loaded or compiled; JSON with
+`--json`. Goals (issue 16): cold <= 60 s, warm <= 10 s.
 
     python benchmark/runners/startup.py [--max-bs 32] [--threads 2] [--json F]
 """
@@ -28,9 +29,13 @@ def child(max_bs: int, threads: int, cache_dir: str) -> None:
     t_import = time.perf_counter() - t0
     runner = ModelRunner(args)
     gr = runner.graph_runner
+    report = gr.report()
     print(json.dumps({"total_s": time.perf_counter() - t0, "import_s": t_import,
                       "capture_s": sum(gr.capture_seconds.values()),
-                      "capture_seconds": gr.capture_seconds, "buckets": gr.buckets}))
+                      "capture_seconds": gr.capture_seconds, "buckets": gr.buckets,
+                      "buckets_loaded": report.get("buckets_loaded", []),
+                      "buckets_compiled": report.get("buckets_compiled", gr.buckets),
+                      "stale_buckets": report.get("stale_buckets", {})}))
 
 
 def run_once(max_bs: int, threads: int, cache_dir: str) -> dict:
@@ -63,7 +68,8 @@ def main() -> None:
         per = ", ".join(f"{bs}: {s:.1f}" for bs, s in sorted(
             (int(k), v) for k, v in r["capture_seconds"].items()))
         print(f"{kind}: process {r['process_s']:.1f} s, capture {r['capture_s']:.1f} s "
-              f"(per bucket: {per})", flush=True)
+              f"(per bucket: {per}; loaded {r['buckets_loaded']}, compiled "
+              f"{r['buckets_compiled']})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -9,6 +9,7 @@ model, attention backend and KV cache. A new runner option is a field here and o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ class RunnerConfig:
     torch_compile_max_bs: int
     compile_cache_dir: str | None  # inductor's on-disk cache
     model_path: str  # part of TorchAirRunner's compile-cache key
+    graph_flags: str  # the flags that can change a compiled graph, part of compile-cache keys
     # TorchAirRunner.
     torchair_mode: str
     torchair_cache_dir: str | None
@@ -53,6 +55,7 @@ class RunnerConfig:
             torch_compile_max_bs=args.torch_compile_max_bs,
             compile_cache_dir=args.compile_cache_dir,
             model_path=str(args.model_path or "default"),
+            graph_flags=graph_flags(args),
             torchair_mode=args.torchair_mode, torchair_cache_dir=args.torchair_cache_dir,
             torchair_frozen_parameter=args.torchair_frozen_parameter,
             torchair_tiling_schedule_optimize=args.torchair_tiling_schedule_optimize,
@@ -64,6 +67,31 @@ class RunnerConfig:
         )
 
     @property
+    def resolved_model_path(self) -> str | None:
+        return None if self.model_path == "default" else self.model_path
+
+    @property
     def backend_name(self) -> str:
         """The compile backend for reports: "none" when torch.compile is off."""
         return self.compile_backend if self.enable_torch_compile else "none"
+
+
+# ServerArgs fields that cannot change a compiled decode graph; every other field is part of
+# compile-cache keys (a new flag counts until it is listed here). The KV pool's size is checked
+# per graph input instead (mem_fraction_static, max_total_tokens).
+NOT_IN_GRAPH = frozenset({
+    "tokenizer_path", "served_model_name", "random_seed", "mem_fraction_static",
+    "max_total_tokens", "max_prefill_tokens", "disable_radix_cache", "schedule_policy",
+    "chunked_prefill_size", "enable_mixed_chunk", "dp_size", "nnodes", "node_rank",
+    "dist_init_addr", "dist_timeout", "compile_cache_dir", "host", "port", "api_key",
+    "log_level", "enable_metrics", "skip_server_warmup", "max_request_body_bytes",
+    "allowed_hosts",
+})
+
+
+def graph_flags(args: ServerArgs) -> str:
+    """The ServerArgs fields that may change a compiled decode graph, as one sorted string."""
+    fields = sorted((f.name, repr(getattr(args, f.name))) for f in dataclasses.fields(args)
+                    if f.name not in NOT_IN_GRAPH and not f.name.startswith(("torchair_",
+                                                                             "openvino_")))
+    return ";".join(f"{k}={v}" for k, v in fields)

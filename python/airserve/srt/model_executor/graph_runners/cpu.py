@@ -2,14 +2,17 @@
 dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
-denser schedule: every bucket is a separate inductor compile (measured on 2 cores, SmolLM2-135M:
-about a minute cold, 4-10 s warm from inductor's on-disk cache, see `--compile-cache-dir`), and a
-padded row costs far less than a compile. `--cuda-graph-bs` still picks any sizes.
+denser schedule: every bucket is a separate inductor compile, and a padded row costs far less
+than a compile. `--cuda-graph-bs` still picks any sizes. With `--compile-cache-dir` every
+compiled bucket is stored (bucket_store.py) and a restart with the same model and flags loads it
+without dynamo or inductor's compile; a stale stored bucket is logged, counted in the report
+(`stale_buckets`) and compiled again.
 
 Replay calls each bucket's compiled graph directly with the tensors it was compiled on (the
 model's weights, the KV buffers and the bucket's static batch, all at fixed addresses), so no
 dynamo frame runs per step: no guard evaluation, no cache lookup, no input flattening (~1-2 ms
-a step on 2 cores). The first replay of a bucket still goes through dynamo and checks that
+a step on 2 cores). A loaded bucket replays directly from the start. The first replay of a
+compiled bucket still goes through dynamo and checks that
 dynamo hands the graph those tensors (or views of the same memory, which the capture-time
 tensors keep alive); a bucket that fails the check keeps replaying through dynamo (guards
 skipped), logged and counted in the report (`dynamo_replays`).
@@ -22,6 +25,7 @@ shared by every wrapper of the model's `forward`; past it dynamo silently runs e
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -33,6 +37,13 @@ from airserve.srt.model_executor.graph_runners.base import (
     dynamo_graph_count,
     power_of_two_buckets,
 )
+from airserve.srt.model_executor.graph_runners.bucket_store import (
+    BucketStore,
+    StaleBucket,
+    TensorIndex,
+    cache_key_parts,
+)
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +101,69 @@ class CPUGraphRunner(GraphRunner):
         self.direct_refused: dict[int, str] = {}
         self.dynamo_replays = 0
         self.graphs_at_capture = 0
+        # Buckets stored under --compile-cache-dir: loaded at start-up instead of compiled.
+        self.store = self.open_store(model_runner.runner_config,
+                                     getattr(model_runner.tp, "rank", 0),
+                                     model_runner.max_running_requests)
+        self.loaded: dict[int, float] = {}  # bucket -> seconds to load it
+        self.stale: dict[int, str] = {}  # bucket -> why its stored graph was not used
+        self.unstored: dict[int, str] = {}  # bucket -> why its compiled graph was not stored
         for buf in model_runner.kv_cache.k_buffers + model_runner.kv_cache.v_buffers:
             torch._dynamo.mark_static_address(buf)
         super().__init__(model_runner)
 
+    @staticmethod
+    def open_store(config: RunnerConfig, tp_rank: int,
+                   max_running_requests: int) -> BucketStore | None:
+        """The stored buckets of this model and these flags (None without a cache dir)."""
+        if config.compile_cache_dir is None or config.compile_backend != "inductor":
+            return None
+        extra = {"tp_rank": tp_rank, "max_running_requests": max_running_requests}
+        return BucketStore(config.compile_cache_dir,
+                           cache_key_parts(config.resolved_model_path, config.graph_flags, extra))
+
+    def tensor_index(self) -> TensorIndex:
+        """Every tensor a decode graph may take as input, by a name stable across processes."""
+        return TensorIndex({"model": self.model, "kv": self.kv_cache, "inputs": self.inputs,
+                            "attn": self.attn_backend,
+                            "req_to_token": self.model_runner.req_to_token_pool})
+
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        if self.store is not None and self.store.has(bs) and self.load_bucket(bs):
+            return
+        self.compile_bucket(bs, fb)
+
+    def load_bucket(self, bs: int) -> bool:
+        """Replay bucket `bs` from its stored graph; False (logged, counted) if it is stale."""
+        start = time.perf_counter()
+        try:
+            artifact, args = self.store.load(bs, self.tensor_index())
+            # One step on the static batch, as a compile runs one. AOTAutograd's first-call
+            # check of custom ops' aliasing ran on this graph's first call after it was compiled
+            # (same ops, same graph); here it would trace every op through a dispatch mode.
+            with torch._functorch.config.patch(check_custom_op_aliasing=False):
+                outs = artifact(*args)
+            if not isinstance(outs, (list, tuple)) or len(outs) != 1 or \
+                    tuple(outs[0].shape[:1]) != (bs,):
+                raise StaleBucket("the stored graph does not return the logits [bs, vocab]")
+        except Exception as e:  # whatever a stored graph does wrong, compiling it again fixes
+            self.stale[bs] = str(e) if isinstance(e, StaleBucket) else f"{type(e).__name__}: {e}"
+            logger.warning("CPUGraphRunner: stored bucket %d is stale, recompiling: %s", bs, e)
+            return False
+        self.direct[bs] = lambda: artifact(*args)[0]
+        self.loaded[bs] = time.perf_counter() - start
+        logger.info("CPUGraphRunner: bucket %d loaded from %s in %.2fs", bs, self.store.dir,
+                    self.loaded[bs])
+        return True
+
+    def compile_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        start = time.perf_counter()
         backend = torch._dynamo.lookup_backend(self.backend_name)
         graphs: list[CompiledGraph] = []
 
         def recording_backend(gm, example_inputs):
-            graphs.append(CompiledGraph(backend(gm, example_inputs)))
+            # Storing: dynamo's graph runs eager once, then is compiled on the real inputs.
+            graphs.append(CompiledGraph(gm if self.store else backend(gm, example_inputs)))
             return graphs[-1]
 
         fn = torch.compile(self.forward_static, backend=recording_backend, fullgraph=True,
@@ -108,10 +172,34 @@ class CPUGraphRunner(GraphRunner):
         if len(graphs) != 1:
             raise RuntimeError(f"expected one compiled graph for the decode step, got "
                                f"{len(graphs)}")
+        if self.store is not None:
+            self.compile_storable(graphs[0])
         self.compiled[bs] = fn
         self.graphs[bs] = graphs[0]
         self.capture_args[bs] = graphs[0].args
         self.graphs_at_capture = dynamo_graph_count()
+        compiled_s = time.perf_counter() - start
+        if self.store is not None:
+            self.store_bucket(bs, graphs[0])
+        logger.info("CPUGraphRunner: bucket %d compiled in %.2fs%s", bs, compiled_s,
+                    "" if self.store is None or bs in self.unstored else ", stored")
+
+    @staticmethod
+    def compile_storable(graph: CompiledGraph) -> None:
+        """Compile dynamo's graph with inductor into an artifact that can be saved; dynamo's
+        entry for the bucket calls it from now on (the recorder is what dynamo holds)."""
+        from torch._inductor import standalone_compile
+
+        graph.fn = standalone_compile(graph.fn, list(graph.args),
+                                      dynamic_shapes="from_example_inputs", options={})
+
+    def store_bucket(self, bs: int, graph: CompiledGraph) -> None:
+        try:
+            self.store.save(bs, graph.fn, graph.args, self.tensor_index())
+        except (KeyError, RuntimeError, OSError) as e:
+            self.unstored[bs] = f"{type(e).__name__}: {e}"
+            logger.warning("CPUGraphRunner: bucket %d not stored (compiled again at the next "
+                           "start): %s", bs, self.unstored[bs])
 
     def replay_bucket(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
         direct = self.direct.get(bs)
@@ -150,6 +238,12 @@ class CPUGraphRunner(GraphRunner):
         report["recompiles_since_capture"] = self.recompiles_since_capture()
         report["direct_replay_buckets"] = sorted(self.direct)
         report["dynamo_replays"] = self.dynamo_replays
+        report["buckets_loaded"] = sorted(self.loaded)
+        report["buckets_compiled"] = sorted(self.graphs)
+        if self.stale:
+            report["stale_buckets"] = dict(self.stale)
+        if self.unstored:
+            report["unstored_buckets"] = dict(self.unstored)
         if self.direct_refused:
             report["direct_replay_refused"] = dict(self.direct_refused)
         return report

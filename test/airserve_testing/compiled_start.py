@@ -1,0 +1,45 @@
+"""One start of a compiled CPU runner in this process, for start-up tests that need a fresh
+process: prints a JSON line with the runner's report and greedy tokens from the compiled
+runner and from an eager runner sharing its model.
+
+    python -m airserve_testing.compiled_start MODEL_DIR CACHE_DIR BUCKET [STEPS]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from airserve_testing.decode_driver import Requests, make_runner, random_prompts
+
+
+def greedy(runner, prompt: list[int], steps: int) -> list[int]:
+    reqs = Requests(runner, [prompt])
+    token = int(reqs.prefill_logits[-1].argmax())
+    tokens = [token]
+    for _ in range(steps - 1):
+        token = int(reqs.decode([token])[0].argmax())
+        tokens.append(token)
+    reqs.release()
+    return tokens
+
+
+def main() -> None:
+    model_dir, cache_dir, bucket = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+    torch.manual_seed(0)
+    graph = make_runner(model_dir, enable_torch_compile=True, cuda_graph_bs=(bucket,),
+                        compile_cache_dir=cache_dir)
+    eager = make_runner(model_dir, runner_from=graph)
+    prompt = random_prompts(graph.model_config.vocab_size, [9])[0]
+    replays = graph.graph_runner.replay_count
+    out = {"report": graph.graph_runner.report(), "store_dir": graph.graph_runner.store.dir,
+           "graph": greedy(graph, prompt, steps), "eager": greedy(eager, prompt, steps)}
+    out["replays"] = graph.graph_runner.replay_count - replays
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()

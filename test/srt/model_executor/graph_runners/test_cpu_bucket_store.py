@@ -1,0 +1,122 @@
+"""CPUGraphRunner's stored buckets (--compile-cache-dir): a restart loads, never recompiles.
+
+Each start runs in a fresh process (airserve_testing.compiled_start: one bucket of a tiny llama,
+greedy tokens from the compiled runner and from eager on the same model). Loaded vs compiled is
+read from the runner's own report, not from timing. Two compiles in all: the cold start and the
+rebuild of a corrupted bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from airserve.srt.model_executor.graph_runners.bucket_store import (
+    StaleBucket,
+    TensorIndex,
+    file_sha256,
+)
+from airserve.srt.model_executor.graph_runners.config import RunnerConfig
+from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+from airserve.srt.server_args import ServerArgs
+
+BUCKET = 2
+
+
+def start(model_dir: str, cache_dir: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(root), "python"), root,
+                                         env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "airserve_testing.compiled_start", model_dir,
+                          cache_dir, str(BUCKET)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def starts(tiny_llama_dir, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("compile-cache"))
+    cold = start(tiny_llama_dir, cache)
+    warm = start(tiny_llama_dir, cache)
+    return cache, cold, warm
+
+
+def test_warm_start_loads_and_matches_cold_and_eager(starts):
+    _, cold, warm = starts
+    assert cold["report"]["buckets_compiled"] == [BUCKET]
+    assert cold["report"]["buckets_loaded"] == []
+    assert "unstored_buckets" not in cold["report"]
+    assert warm["report"]["buckets_loaded"] == [BUCKET]
+    assert warm["report"]["buckets_compiled"] == []  # no dynamo trace, no inductor compile
+    assert "stale_buckets" not in warm["report"]
+    assert warm["report"]["direct_replay_buckets"] == [BUCKET]
+    assert warm["replays"] == cold["replays"] > 0  # the decode steps ran in the graph
+    assert warm["graph"] == cold["graph"] == cold["eager"] == warm["eager"]
+
+
+def test_corrupted_bucket_is_detected_and_rebuilt(starts, tiny_llama_dir):
+    cache, _, warm = starts
+    artifact = os.path.join(warm["store_dir"], f"bs{BUCKET}.bin")
+    with open(artifact, "r+b") as f:  # one flipped byte in the middle
+        f.seek(os.path.getsize(artifact) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    rebuilt = start(tiny_llama_dir, cache)
+    assert "checksum" in rebuilt["report"]["stale_buckets"][str(BUCKET)]
+    assert rebuilt["report"]["buckets_compiled"] == [BUCKET]
+    assert rebuilt["graph"] == rebuilt["eager"] == warm["graph"]
+    with open(os.path.join(warm["store_dir"], f"bs{BUCKET}.json")) as f:
+        assert json.load(f)["sha256"] == file_sha256(artifact)  # stored again, intact
+
+
+def store_dir(model_dir: str, cache: str, **flags) -> str:
+    """Where a runner started as compiled_start starts it, with `flags` changed, keeps its
+    buckets (nothing compiles)."""
+    flags = {"cuda_graph_bs": (BUCKET,), **flags}
+    args = ServerArgs(model_path=model_dir, max_total_tokens=2048, max_running_requests=8,
+                      enable_torch_compile=True, compile_cache_dir=cache, **flags)
+    return CPUGraphRunner.open_store(RunnerConfig.from_server_args(args), 0, 8).dir
+
+
+def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_qwen2_dir):
+    cache, _, warm = starts
+    assert store_dir(tiny_llama_dir, cache) == warm["store_dir"]  # same flags: same store
+    assert store_dir(tiny_llama_dir, cache, page_size=16) != warm["store_dir"]
+    assert store_dir(tiny_llama_dir, cache, num_threads=1) != warm["store_dir"]
+    assert store_dir(tiny_llama_dir, cache, cuda_graph_bs=(1, BUCKET)) != warm["store_dir"]
+    assert store_dir(tiny_llama_dir, cache, context_length=256) != warm["store_dir"]
+    assert store_dir(tiny_qwen2_dir, cache) != warm["store_dir"]
+    # The same path with a rewritten weight file (new mtime) is another model.
+    weights = [f for f in os.listdir(tiny_llama_dir) if f.endswith(".safetensors")]
+    path = os.path.join(tiny_llama_dir, weights[0])
+    stat = os.stat(path)
+    try:
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        assert store_dir(tiny_llama_dir, cache) != warm["store_dir"]
+    finally:
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_input_of_another_size_or_name_is_stale():
+    """A stored graph's input is rebuilt only from a tensor of the same name, dtype and shape:
+    a KV pool of another size would otherwise give the graph a prefix of the new pool."""
+    pool = torch.zeros(10, 4)
+    spec = TensorIndex({"kv": SimpleNamespace(k_buffers=[pool])}).describe(pool[2:5])
+    assert spec["name"] == "kv.k_buffers.0" and spec["offset"] == 8
+    view = TensorIndex({"kv": SimpleNamespace(k_buffers=[torch.ones(10, 4)])}).rebuild(spec)
+    assert view.shape == (3, 4) and view.sum() == 12
+    with pytest.raises(StaleBucket, match="stored graph's is"):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[torch.zeros(20, 4)])}).rebuild(spec)
+    with pytest.raises(StaleBucket, match="no tensor kv.k_buffers.0"):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).rebuild(spec)
+    with pytest.raises(KeyError):
+        TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).describe(pool)
