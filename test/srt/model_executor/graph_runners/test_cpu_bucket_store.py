@@ -120,3 +120,30 @@ def test_input_of_another_size_or_name_is_stale():
         TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).rebuild(spec)
     with pytest.raises(KeyError):
         TensorIndex({"kv": SimpleNamespace(k_buffers=[])}).describe(pool)
+
+
+def test_other_weight_handles_make_the_bucket_stale(tmp_path):
+    """Reordered (oneDNN) weights reach a graph as integer handles baked into its code: a
+    process that numbered its layers otherwise must not replay the stored graph."""
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.model_executor.graph_runners.bucket_store import BucketStore
+
+    layer = Linear(16, 8, bias=False)
+    layer.set_large_path("float32", float32_impl="onednn")
+    index = TensorIndex({"model": layer})
+    assert index.handles == {"model..weight_onednn": layer.weight_onednn.handle}
+    store = BucketStore(str(tmp_path), {"test": 1})
+    art_path, man_path = store.paths(1)
+    with open(art_path, "wb") as f:
+        f.write(b"not an artifact")
+
+    def manifest(handles: dict) -> None:
+        with open(man_path, "w") as f:
+            json.dump({"inputs": [], "handles": handles, "sha256": file_sha256(art_path)}, f)
+
+    manifest({"model..weight_onednn": layer.weight_onednn.handle + 1})
+    with pytest.raises(StaleBucket, match="weight handles differ"):
+        store.load(1, index)
+    manifest(index.handles)  # same handles: past that check, to the artifact itself
+    with pytest.raises(StaleBucket, match="artifact does not load"):
+        store.load(1, index)

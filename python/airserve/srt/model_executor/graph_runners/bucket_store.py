@@ -24,7 +24,7 @@ import torch
 import airserve
 from airserve.srt.hardware import host_cpu
 
-FORMAT = 2  # bump when the manifest's layout changes
+FORMAT = 3  # bump when the manifest's layout changes
 
 
 class StaleBucket(Exception):
@@ -71,6 +71,24 @@ def named_tensors(roots: dict[str, object]) -> Iterator[tuple[str, torch.Tensor]
                     yield (f"{prefix}.{name}" if i is None else f"{prefix}.{name}.{i}"), v
 
 
+# Weights that layers hold outside torch's tensors (oneDNN-reordered, fbgemm-packed) reach the
+# graphs as integer handles, which the compiled code holds as constants.
+HANDLE_ATTRS = ("weight_onednn", "weight_int8")
+
+
+def weight_handles(roots: dict[str, object]) -> dict[str, int]:
+    """The handle of every such weight, by module name and attribute."""
+    handles = {}
+    for prefix, obj in roots.items():
+        if isinstance(obj, torch.nn.Module):
+            for name, module in obj.named_modules():
+                for attr in HANDLE_ATTRS:
+                    weight = getattr(module, attr, None)
+                    if weight is not None:
+                        handles[f"{prefix}.{name}.{attr}"] = weight.handle
+    return handles
+
+
 class TensorIndex:
     """Graph inputs by name: each tensor's storage maps to the first name holding it."""
 
@@ -80,6 +98,7 @@ class TensorIndex:
         for name, t in named_tensors(roots):
             self.by_name.setdefault(name, t)
             self.by_storage.setdefault(t.untyped_storage().data_ptr(), name)
+        self.handles = weight_handles(roots)
 
     def describe(self, arg: object) -> dict:
         """A manifest entry for one graph input; KeyError if it is not a known tensor's view."""
@@ -135,7 +154,7 @@ class BucketStore:
         specs = [index.describe(a) for a in args]
         art_path, man_path = self.paths(bs)
         artifact.save(path=art_path, format="binary")
-        manifest = {"inputs": specs, "sha256": file_sha256(art_path)}
+        manifest = {"inputs": specs, "handles": index.handles, "sha256": file_sha256(art_path)}
         tmp = f"{man_path}.{os.getpid()}.tmp"  # starts sharing the directory never collide
         with open(tmp, "w") as f:
             json.dump(manifest, f)
@@ -153,6 +172,10 @@ class BucketStore:
                 raise StaleBucket(f"{os.path.basename(art_path)} fails its checksum")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StaleBucket(f"unreadable manifest or artifact ({type(e).__name__}: {e})") from e
+        # Handles are numbered in load order: another process (or a second model in this one)
+        # may give a layer another number, and the stored graph would read the wrong weight.
+        if manifest.get("handles") != index.handles:
+            raise StaleBucket("the layers' weight handles differ from the stored graph's")
         args = tuple(index.rebuild(s) for s in specs)
         from torch._inductor import CompiledArtifact
 
