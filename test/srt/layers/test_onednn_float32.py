@@ -150,3 +150,20 @@ def test_onednn_refused_without_mkldnn(monkeypatch):
     assert matmul_paths.choose_float32_impl("auto") == "sgemm"
     with pytest.raises(ValueError, match="--cpu-float32-matmul sgemm"):
         ServerArgs(cpu_float32_matmul="onednn")
+
+
+def test_openvino_copy_gets_plain_weights_and_the_original_keeps_onednn():
+    """OpenVINO's graphs cannot read a reordered weight: its copy of a model loaded for another
+    runner multiplies with the plain weight again; the original is untouched."""
+    from airserve.srt.layers.quant.openvino_linear import with_openvino_linears
+
+    layer, w, b = onednn_layer(64, 32)
+    model = torch.nn.Sequential(layer)
+    clone, replaced = with_openvino_linears(model)
+    assert replaced == 0 and clone[0] is not layer
+    assert clone[0].float32_impl == "sgemm" and torch.equal(clone[0].weight.double(), w)
+    assert layer.float32_impl == "onednn" and layer.weight is None
+    x = torch.randn(5, 64)
+    assert "airserve::onednn_linear" not in ops_run(lambda: clone(x))
+    assert relative_error(clone(x), x.double() @ w.T + b) < TOLERANCE
+    assert relative_error(layer(x), x.double() @ w.T + b) < TOLERANCE

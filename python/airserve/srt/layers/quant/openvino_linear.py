@@ -136,8 +136,14 @@ def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn
     """A copy of `model` for OpenVINO graphs: each `Linear` holding GGUF blocks of OpenVINO's
     kinds becomes an `OpenVINOLinear(zero_point=...)` (a `ConcatLinear` of them for mixed
     segments); every other tensor is shared with `model`, not copied. Returns the copy and how
-    many layers run from blocks (0: no blocks, a float model)."""
+    many layers run from blocks (0: no blocks, a float model). A layer of a model loaded for
+    another runner may hold its float32 weight reordered for oneDNN (opaque to OpenVINO): its
+    copy gets the plain weight back."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():  # weights held outside torch tensors: shared, not copied
+        for attr in ("weight_onednn", "weight_int8"):
+            if getattr(module, attr, None) is not None:
+                shared[id(getattr(module, attr))] = getattr(module, attr)
     clone = copy.deepcopy(model, memo=shared)
     replaced = 0
     for name, module in list(clone.named_modules()):
@@ -145,6 +151,8 @@ def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn
             continue
         ov = openvino_linear(module, zero_point)
         if ov is None:
+            if module.float32_impl == "onednn":
+                module.set_large_path("float32", float32_impl="sgemm")
             continue
         parent, _, child = name.rpartition(".")
         owner = clone.get_submodule(parent) if parent else clone
