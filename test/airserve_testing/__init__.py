@@ -6,7 +6,9 @@ from airserve_testing.decode_driver import (
     make_runner,
     random_prompts,
     run_side_by_side,
+    tiny_gguf_runners,
     zero_kv,
 )
 
-__all__ = ["Requests", "make_runner", "random_prompts", "run_side_by_side", "zero_kv"]
+__all__ = ["Requests", "make_runner", "random_prompts", "run_side_by_side",
+           "tiny_gguf_runners", "zero_kv"]

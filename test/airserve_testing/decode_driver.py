@@ -20,6 +20,30 @@ def make_runner(model_path: str, runner_from: ModelRunner | None = None, **kwarg
     return ModelRunner(args, model_config=runner_from.model_config, model=runner_from.model)
 
 
+def tiny_gguf_runners(directory: str, buckets: tuple[int, ...], packed_limit: int,
+                      reference: dict, **flags) -> tuple[ModelRunner, ModelRunner, ModelRunner]:
+    """A tiny llama GGUF of packed block kinds written under `directory`, and three runners on
+    it: a CPU graph runner with `buckets` and an eager one, sharing one model loaded with
+    `flags`, and a reference runner loaded with `reference` flags instead."""
+    import os
+
+    import pytest
+
+    from airserve.srt.layers import cpu_kernels
+    from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+    from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
+    path = os.path.join(directory, "tiny.gguf")
+    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
+    eager = make_runner(path, packed_decode_max_bs=packed_limit, **flags)
+    graph = make_runner(path, runner_from=eager, packed_decode_max_bs=packed_limit,
+                        enable_torch_compile=True, cuda_graph_bs=buckets, **flags)
+    assert isinstance(graph.graph_runner, CPUGraphRunner)
+    return graph, eager, make_runner(path, packed_decode_max_bs=packed_limit, **reference)
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -9,12 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
-from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
-from airserve_testing import make_runner, random_prompts, run_side_by_side
-from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
+from airserve_testing import random_prompts, run_side_by_side, tiny_gguf_runners
 
 # Both float32; only the summation order differs (oneDNN vs sgemm, inductor's fusions).
 ATOL = 1e-4
@@ -27,16 +24,9 @@ pytestmark = pytest.mark.skipif(not matmul_paths.onednn_available(),
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory):
-    if not cpu_kernels.available():
-        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
-    path = str(tmp_path_factory.mktemp("onednn") / "tiny.gguf")
-    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
-    common = dict(packed_decode_max_bs=PACKED_LIMIT)
-    eager = make_runner(path, **common)  # auto: onednn
-    graph = make_runner(path, runner_from=eager, enable_torch_compile=True,
-                        cuda_graph_bs=BUCKETS, **common)
-    assert isinstance(graph.graph_runner, CPUGraphRunner)
-    return graph, eager, make_runner(path, cpu_float32_matmul="sgemm", **common)
+    # auto: onednn; the reference multiplies by sgemm.
+    return tiny_gguf_runners(str(tmp_path_factory.mktemp("onednn")), BUCKETS, PACKED_LIMIT,
+                             reference=dict(cpu_float32_matmul="sgemm"))
 
 
 def linears(runner) -> list[Linear]:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
-from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
-from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side
-from airserve_testing.tiny_gguf import PACKED_TYPES, write_tiny_gguf
+from airserve_testing import (
+    Requests,
+    random_prompts,
+    run_side_by_side,
+    tiny_gguf_runners,
+)
 
 # Same path on both sides; inductor reorders the float work around the int8 products.
 ATOL = 1e-4
@@ -25,16 +27,8 @@ pytestmark = pytest.mark.skipif(not matmul_paths.int8_available(),
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory):
-    if not cpu_kernels.available():
-        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
-    path = str(tmp_path_factory.mktemp("paths") / "tiny.gguf")
-    write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
-    common = dict(packed_decode_max_bs=PACKED_LIMIT)
-    eager = make_runner(path, quantization="w8a8_int8", **common)
-    graph = make_runner(path, runner_from=eager, quantization="w8a8_int8",
-                        enable_torch_compile=True, cuda_graph_bs=BUCKETS, **common)
-    assert isinstance(graph.graph_runner, CPUGraphRunner)
-    return graph, eager, make_runner(path, dtype="float32", **common)
+    return tiny_gguf_runners(str(tmp_path_factory.mktemp("paths")), BUCKETS, PACKED_LIMIT,
+                             reference=dict(dtype="float32"), quantization="w8a8_int8")
 
 
 def test_paths_per_rows_and_report(runners):
