@@ -30,6 +30,10 @@ from airserve.srt.layers.quant.matmul_paths import (
     w8a8_linear,
 )
 
+# Weight forms a Linear holds outside its parameters and buffers (oneDNN-reordered, fbgemm-packed
+# objects, reached by graphs through integer handles).
+OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8")
+
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
 DEQUANT_CHUNK_VALUES = 1 << 22

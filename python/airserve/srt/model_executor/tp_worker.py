@@ -132,6 +132,11 @@ def resolve_init_addr(args: ServerArgs) -> ServerArgs:
     return args.replace(dist_init_addr=f"127.0.0.1:{port}")
 
 
+def rank_label(args: ServerArgs, rank: int) -> str:
+    """How processes and logs name tensor-parallel rank `rank` (and its --dp-size replica)."""
+    return f"dp{args.dp_rank}-tp{rank}" if args.dp_size > 1 else f"tp{rank}"
+
+
 def spawn_local_ranks(args: ServerArgs) -> list[mp.Process]:
     """Start this machine's ranks other than its first (rank 0 on node 0 is the caller)."""
     per_node = args.tp_size // args.nnodes
@@ -139,9 +144,8 @@ def spawn_local_ranks(args: ServerArgs) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(first + (1 if args.node_rank == 0 else 0), first + per_node):
-        prefix = f"airserve-dp{args.dp_rank}-" if args.dp_size > 1 else "airserve-"
         proc = ctx.Process(target=run_tp_rank, args=(args, rank), daemon=True,
-                           name=f"{prefix}tp{rank}")
+                           name=f"airserve-{rank_label(args, rank)}")
         proc.start()
         procs.append(proc)
     return procs
@@ -163,8 +167,7 @@ def run_tp_rank(args: ServerArgs, rank: int) -> None:
     from airserve.srt.model_executor.model_runner import ModelRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(args.log_level, f"dp{args.dp_rank}-tp{rank}" if args.dp_size > 1
-                      else f"tp{rank}")
+    configure_logging(args.log_level, rank_label(args, rank))
     try:
         runner = ModelRunner(args, tp_rank=rank)
     except Exception:  # noqa: BLE001 - reported, then the process exits

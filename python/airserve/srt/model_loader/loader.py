@@ -116,7 +116,8 @@ def load_model(model_path: str | None, dtype: str, device: str,
     other than float32 replaces the float32 weights with its own form (bf16 or packed int8),
     built from the blocks: those layers never load a float32 copy. With the float32 path,
     `float32_matmul` "onednn" reorders each float32 weight for oneDNN in place of the plain one
-    (matmul_paths.FLOAT32_IMPLS; not a tied lm_head's, which the embedding reads)."""
+    (matmul_paths.FLOAT32_IMPLS; beside it for a tied lm_head, whose plain weight the
+    embedding reads)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from airserve.srt.layers.linear import Linear
+from airserve.srt.layers.linear import OPAQUE_WEIGHTS, Linear
 from airserve.srt.layers.quant.block_matvec import BLOCK, PackedWeight
 
 
@@ -141,7 +141,7 @@ def with_openvino_linears(model: nn.Module, zero_point: bool = True) -> tuple[nn
     copy gets the plain weight back."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     for module in model.modules():  # weights held outside torch tensors: shared, not copied
-        for attr in ("weight_onednn", "weight_int8"):
+        for attr in OPAQUE_WEIGHTS:
             if getattr(module, attr, None) is not None:
                 shared[id(getattr(module, attr))] = getattr(module, attr)
     clone = copy.deepcopy(model, memo=shared)

@@ -23,6 +23,7 @@ import torch
 
 import airserve
 from airserve.srt.hardware import host_cpu
+from airserve.srt.layers.linear import OPAQUE_WEIGHTS
 
 FORMAT = 3  # bump when the manifest's layout changes
 
@@ -71,18 +72,14 @@ def named_tensors(roots: dict[str, object]) -> Iterator[tuple[str, torch.Tensor]
                     yield (f"{prefix}.{name}" if i is None else f"{prefix}.{name}.{i}"), v
 
 
-# Weights that layers hold outside torch's tensors (oneDNN-reordered, fbgemm-packed) reach the
-# graphs as integer handles, which the compiled code holds as constants.
-HANDLE_ATTRS = ("weight_onednn", "weight_int8")
-
-
 def weight_handles(roots: dict[str, object]) -> dict[str, int]:
-    """The handle of every such weight, by module name and attribute."""
+    """The handle of every weight a layer holds outside its tensors (`OPAQUE_WEIGHTS`), by module
+    name and attribute: the compiled code holds these handles as constants."""
     handles = {}
     for prefix, obj in roots.items():
         if isinstance(obj, torch.nn.Module):
             for name, module in obj.named_modules():
-                for attr in HANDLE_ATTRS:
+                for attr in OPAQUE_WEIGHTS:
                     weight = getattr(module, attr, None)
                     if weight is not None:
                         handles[f"{prefix}.{name}.{attr}"] = weight.handle
