@@ -344,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink()
     results = {"machine": machine_info(), "config": vars(args), "modes": plan_modes(args)}
     interrupted = False
-    # `kill` stops the servers like Ctrl-C does.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # `kill` stops the servers like Ctrl-C does. Ctrl-C gets the same handler: with the default
+    # one, asyncio.run turns it into a cancellation of the running benchmark task, which that
+    # task's request handling can absorb, and the run then went on as if nothing was pressed.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for record in results["modes"]:
             if record["status"] == "pending":
@@ -354,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = True
         print("\ninterrupted: servers stopped; writing what was measured", file=sys.stderr)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     write_outputs(results, out_dir)
     if interrupted:
         return 130
