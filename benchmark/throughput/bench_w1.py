@@ -11,14 +11,24 @@ generation of the prompt (TTFT) and the time of the full 256-token generation; d
   source) on the default model's GGUF, flash attention on, the KV cache reset before every
   generation.
 
+`--gguf-type Q4_K_M` (or Q5_K_M, Q6_K, Q8_0, ...) runs every configuration on another GGUF of
+the default model, made once by llama.cpp's own quantizer from the packaged Q4_1 file (so its
+values went through Q4_1 first) and kept in --gguf-dir. This model's 576-wide rows are not a
+multiple of the K-quants' 256-value superblocks, so llama.cpp stores those tensors in its
+fallback types (Q5_0 / Q5_1 / Q8_0) and only the 1536-wide rows in Q4_K / Q6_K: the table
+prints the file's mix of types.
+
 Prints a table (ratio against llama.cpp) and writes JSON. On a shared machine run it when the
 machine is quiet; one run per configuration.
 
     python benchmark/throughput/bench_w1.py [--configs airserve:compile llama-cpp] [--output F]
+        [--gguf-type Q4_K_M] [--gguf-dir DIR]
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import json
 import statistics
 import sys
@@ -34,14 +44,49 @@ import bench_w2  # noqa: E402
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:compile", "llama-cpp"]
 
 
+def gguf_file(gguf_type: str, directory: str, threads: int) -> str:
+    """The default model's GGUF in `gguf_type`: the packaged file for Q4_1, else a file made by
+    llama.cpp's quantizer (requantizing the Q4_1 values) and kept in `directory`."""
+    from airserve.srt.model_loader.loader import default_model_path
+
+    source = Path(default_model_path())
+    if gguf_type == "Q4_1":
+        return str(source)
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}", None)
+    if ftype is None:
+        raise SystemExit(f"--gguf-type {gguf_type}: llama.cpp has no such file type (e.g. "
+                         "Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0)")
+    out = Path(directory).expanduser() / f"{source.stem.rsplit('.', 1)[0]}.{gguf_type}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = ftype, True, threads
+        partial = out.with_suffix(".partial")
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(),
+                                            ctypes.byref(params))
+        if rc != 0:
+            raise SystemExit(f"llama.cpp could not quantize {source.name} to {gguf_type} "
+                             f"(code {rc})")
+        partial.rename(out)
+    return str(out)
+
+
+def tensor_types(path: str) -> dict[str, int]:
+    """How many of the file's tensors each GGUF type holds."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return dict(collections.Counter(t.tensor_type.name for t in reader.tensors).most_common())
+
+
 def run_llama_cpp(job: dict) -> dict:
     """One stream on llama.cpp: TTFT of a 1-token generation, then the full generation."""
     import llama_cpp
 
-    from airserve.srt.model_loader.loader import default_model_path
-
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=default_model_path(), n_threads=job["threads"],
+    llm = llama_cpp.Llama(model_path=job["model_path"], n_threads=job["threads"],
                           n_threads_batch=job["threads"], n_ctx=512, flash_attn=True,
                           verbose=False)
     load_s = time.perf_counter() - t0
@@ -71,10 +116,11 @@ def run_config(config: str, job: dict, args, tmp: Path) -> dict:
     return bench_w2.run_config(config, job, args, tmp)
 
 
-def print_table(rows: list[dict], cpu: str) -> None:
+def print_table(rows: list[dict], cpu: str, model: str, types: dict[str, int]) -> None:
     ref = next((r["decode_tok_s"] for r in rows if r["config"] == "llama-cpp"
                 and "decode_tok_s" in r), None)
     print(f"\nW1 (32-token prompt, 256 greedy tokens, ignore_eos) on {cpu}")
+    print(f"GGUF {model}: tensors by type {types}")
     print("| config | decode tok/s | vs llama.cpp | TTFT 32 (ms) | total (s) | same ids as first |")
     print("|---" * 6 + "|")
     for r in rows:
@@ -96,10 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     p.description = __doc__.splitlines()[0]
     p.set_defaults(configs=DEFAULT_CONFIGS, num_prompts=1, input_len=32, output_len=256,
                    graph_bs=[1], output="w1_results.json")
+    p.add_argument("--gguf-type", default="Q4_1",
+                   help="GGUF type of the default model to run (Q4_1: the packaged file)")
+    p.add_argument("--gguf-dir", default="~/.cache/airserve/w1_gguf",
+                   help="where requantized GGUF files are made once and kept")
     args = p.parse_args(argv)
+    args.model_path = gguf_file(args.gguf_type, args.gguf_dir, args.num_threads)
+    types = tensor_types(args.model_path)
     cpu, flags = bench_w2.host_cpu()
     job = bench_w2.make_job(args)
     job["prompts"] = [job["lone_prompt"]]  # the TTFT prompt is the W1 prompt
+    job["model_path"] = args.model_path
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_w1_") as tmp_name:
         for config in args.configs:
@@ -116,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["error"] = str(e)
                 print(f"   failed: {e}", flush=True)
             rows.append(row)
-    print_table(rows, cpu)
+    model = Path(args.model_path).name
+    print_table(rows, cpu, model, types)
     result = {"workload": "W1: 32-token prompt, 256 greedy new tokens, ignore_eos",
-              "cpu": cpu, "cpu_features": [f for f in bench_w2.FEATURES if f in flags],
+              "gguf": model, "gguf_type": args.gguf_type, "tensor_types": types, "cpu": cpu,
+              "cpu_features": [f for f in bench_w2.FEATURES if f in flags],
               "threads": args.num_threads,
               "note": "one run per configuration; shared machine unless stated",
               "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}

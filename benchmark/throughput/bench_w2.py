@@ -74,6 +74,8 @@ def server_args_for(mode: str, args: argparse.Namespace, path: str = "auto") -> 
     kwargs = dict(MODES[mode], **PATH_ARGS[path])
     kwargs["num_threads"] = args.num_threads
     kwargs["max_running_requests"] = args.num_prompts
+    if getattr(args, "model_path", None):  # bench_w1 --gguf-type: another GGUF of the model
+        kwargs["model_path"] = args.model_path
     if kwargs.get("enable_torch_compile"):
         kwargs["cuda_graph_bs"] = tuple(args.graph_bs)
     return kwargs
