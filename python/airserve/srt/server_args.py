@@ -79,10 +79,10 @@ class ServerArgs:
     # Activations of those packed products: "float32" (exact), "int8" (quantized per block of
     # 32, integer dot products) or "auto" (the default): int8 for the block kinds whose int8
     # products passed the fidelity check on ~2,000 tokens of the packaged text
-    # (benchmark/kernels/fidelity.py, results/fidelity_2000.json: the default Q4_1 model, Q4_1
-    # layers and a Q8_0 lm_head, top-1 98.09%, perplexity +0.21%), float32 for the K-quants,
-    # which missed top-1 >= 98% (Q4_K_M 97.14%, Q6_K 97.84%). block_matvec.INT8_PASSED_KINDS;
-    # test/srt/layers/test_fidelity.py ties it to the short check.
+    # (benchmark/kernels/fidelity.py, results/fidelity_2000.json: the default Q4_1 model, top-1
+    # 98.09%, perplexity +0.21%) and run faster than float32 (Q4_1), float32 for the others
+    # (the K-quants missed top-1 >= 98%: Q4_K_M 97.14%, Q6_K 97.84%). See
+    # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py ties it to the short check.
     cpu_decode_activations: str = "auto"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
@@ -397,7 +397,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.cpu_decode_activations,
                    help="activations of the packed decode products: int8 (integer dot "
                         "products, VNNI where the CPU has it), float32 (exact) or auto (int8 "
-                        "for the block kinds that passed the fidelity check: Q4_1, Q8_0)")
+                        "where it passed the fidelity check and is faster: Q4_1)")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,
                    help="float32 products of prefill and batches above the packed limit: "

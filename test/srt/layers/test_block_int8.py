@@ -202,13 +202,14 @@ def test_int8_extremes_do_not_saturate(kind: str) -> None:
 
 
 def test_auto_activations_follow_the_fidelity_kinds() -> None:
-    """activations "auto": int8 for the kinds that passed the fidelity check, float32 (exact)
-    for the others, in products, in a Linear of mixed segments and in the report."""
+    """activations "auto": int8 for the kinds that passed the fidelity check and are faster,
+    float32 (exact) for the others, in products, in a Linear of mixed segments and in the
+    report."""
     from airserve.srt.layers.linear import packed_report
 
-    assert block_matvec.INT8_PASSED_KINDS == {"q4_1", "q8_0"}
+    assert block_matvec.AUTO_INT8_KINDS == {"q4_1"}
     for kind in KINDS:
-        want = "int8" if kind in block_matvec.INT8_PASSED_KINDS else "float32"
+        want = "int8" if kind in block_matvec.AUTO_INT8_KINDS else "float32"
         assert block_matvec.resolve_activations("auto", kind) == want
         assert block_matvec.resolve_activations("float32", kind) == "float32"
     with pytest.raises(ValueError, match="activations='int4'"):
