@@ -3,10 +3,11 @@
 Shapes are the default model's (SmolLM2-135M): [N, K] = [1536, 576] (gate/up), [576, 1536]
 (down) and [49152, 576] (lm_head); K-quants need K a multiple of 256, so they run on the down
 shape only. Weights are random normal values quantized to each type. Prints a table (median
-microseconds per product, weight GB/s) and writes JSON; names the CPU and its features. The
-float32 products run on the best instruction set this CPU has and on plain C++, the int8 ones on
-the best (`--all-isas`: every one); the configurations take turns call by call. On a shared
-machine the figures are noisy: compare columns of one run, not runs.
+microseconds per product, weight GB/s of float32 and of the best int8) and writes JSON; names
+the CPU and its features. The float32 products run on the best instruction set this CPU has
+and on plain C++, the int8 ones on the best (`--all-isas`: every one); the configurations
+take turns call by call. On a shared machine the figures are noisy: compare columns of one
+run, not runs.
 
     python benchmark/kernels/bench_kernels.py [--rows 1 2 4 8] [--threads 2] [--json F]
 """
@@ -105,7 +106,8 @@ def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
 def print_header(isas: list[str], f32_isas: list[str]) -> None:
     cols = "".join(f" {'float32 ' + i:>15}" for i in f32_isas)
     cols += "".join(f" {'int8 ' + i:>17}" for i in isas)
-    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4}{cols} {'int8 gain':>9} {'GB/s f32':>8}")
+    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4}{cols} {'int8 gain':>9} {'GB/s f32':>8}"
+          f" {'GB/s int8':>9}")
 
 
 def print_row(r: dict, isas: list[str], f32_isas: list[str]) -> None:
@@ -113,7 +115,8 @@ def print_row(r: dict, isas: list[str], f32_isas: list[str]) -> None:
     cols = "".join(f" {r[f'float32_{i}_us']:15.1f}" for i in f32_isas)
     cols += "".join(f" {r[f'int8_{i}_us']:17.1f}" for i in isas)
     print(f"{r['type']:5} {r['N']:6d} {r['K']:5d} {r['rows']:4d}{cols}"
-          f" {r['float32_us'] / best:8.2f}x {r['weight_bytes'] / r['float32_us'] / 1e3:8.2f}")
+          f" {r['float32_us'] / best:8.2f}x {r['weight_bytes'] / r['float32_us'] / 1e3:8.2f}"
+          f" {r['weight_bytes'] / best / 1e3:9.2f}")
 
 
 def main() -> None:

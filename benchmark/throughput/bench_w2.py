@@ -50,6 +50,9 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "w8a8_int8": {"quantization": "w8a8_int8"},
+    # Not matmul paths: the activations of the packed decode products (default "auto").
+    "act-float32": {"cpu_decode_activations": "float32"},
+    "act-int8": {"cpu_decode_activations": "int8"},
 }
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]

@@ -4,11 +4,12 @@ process, reference kernels. Importable as `airserve_testing` (pytest's `pythonpa
 from airserve_testing.decode_driver import (
     Requests,
     make_runner,
+    q4_1_decode_op,
     random_prompts,
     run_side_by_side,
     tiny_gguf_runners,
     zero_kv,
 )
 
-__all__ = ["Requests", "make_runner", "random_prompts", "run_side_by_side",
+__all__ = ["Requests", "make_runner", "q4_1_decode_op", "random_prompts", "run_side_by_side",
            "tiny_gguf_runners", "zero_kv"]

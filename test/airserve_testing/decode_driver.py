@@ -108,3 +108,12 @@ def run_side_by_side(graph: ModelRunner, eager: ModelRunner, prompts: list[list[
         tokens = le.argmax(-1).tolist()
     g, e = torch.stack(out_g), torch.stack(out_e)
     return g, e, g.argmax(-1), e.argmax(-1), reqs
+
+
+def q4_1_decode_op(runner: ModelRunner) -> str:
+    """The operator a Q4_1 layer's packed decode product calls under `runner`'s
+    --cpu-decode-activations (the default auto takes int8 for Q4_1)."""
+    from airserve.srt.layers.quant.block_matvec import resolve_activations
+
+    act = resolve_activations(runner.server_args.cpu_decode_activations, "q4_1")
+    return "airserve::block_matmul_int8" if act == "int8" else "airserve::q4_1_matmul"

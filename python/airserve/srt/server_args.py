@@ -76,12 +76,14 @@ class ServerArgs:
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
-    # Activations of those packed products: "float32" (exact) or "int8" (quantized per block of
-    # 32, integer dot products). float32 is the default: on ~2,000 tokens of the packaged text
-    # (benchmark/kernels/fidelity.py, results/fidelity_2000.json) int8 passes for the default
-    # Q4_1 model (top-1 98.09%, perplexity +0.21%) but misses top-1 >= 98% for Q4_K_M (97.14%)
-    # and Q6_K (97.84%); test/srt/layers/test_fidelity.py ties the default to the short check.
-    cpu_decode_activations: str = "float32"
+    # Activations of those packed products: "float32" (exact), "int8" (quantized per block of
+    # 32, integer dot products) or "auto" (the default): int8 for the block kinds whose int8
+    # products passed the fidelity check on ~2,000 tokens of the packaged text
+    # (benchmark/kernels/fidelity.py, results/fidelity_2000.json: the default Q4_1 model, top-1
+    # 98.09%, perplexity +0.21%) and run faster than float32 (Q4_1), float32 for the others
+    # (the K-quants missed top-1 >= 98%: Q4_K_M 97.14%, Q6_K 97.84%). See
+    # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py ties it to the short check.
+    cpu_decode_activations: str = "auto"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
     # torch has it. Same float32 arithmetic; on the default model's decode batch of 64 the
@@ -172,9 +174,9 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
-        if self.cpu_decode_activations not in ("float32", "int8"):
+        if self.cpu_decode_activations not in ("float32", "int8", "auto"):
             raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
-                             "choose float32 or int8")
+                             "choose float32, int8 or auto")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -391,10 +393,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")
-    g.add_argument("--cpu-decode-activations", choices=("float32", "int8"),
+    g.add_argument("--cpu-decode-activations", choices=("float32", "int8", "auto"),
                    default=d.cpu_decode_activations,
                    help="activations of the packed decode products: int8 (integer dot "
-                        "products, VNNI where the CPU has it) or float32 (exact)")
+                        "products, VNNI where the CPU has it), float32 (exact) or auto (int8 "
+                        "where it passed the fidelity check and is faster: Q4_1)")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,
                    help="float32 products of prefill and batches above the packed limit: "

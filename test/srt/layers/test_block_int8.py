@@ -159,3 +159,71 @@ def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
     torch.testing.assert_close(out, layer(x))
     inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
     torch.testing.assert_close(inductor, layer(x))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [32, 64, 288, 1056])
+def test_simd_int8_equals_portable_int8(kind: str, k: int) -> None:
+    """The SIMD int8 products of Q4_1 / Q8_0 (column tiles, Q4_1 block pairs, an odd last
+    block, the minimum term 8 blocks at a time and a scalar tail) against the portable loop on
+    every row count: same quantized activations, integer sums exact, float32 order differs."""
+    isas = [i for i in block_matvec.int8_isas() if i != "scalar"]
+    if not isas:
+        pytest.skip("this CPU has no SIMD int8 path")
+    w = any_packed(kind, 37, k, seed=k)  # 37 columns: every tile width leaves a remainder
+    for rows in range(1, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k))
+        block_matvec.use_int8_isa("scalar")
+        ref = packed_linear(x, w, "int8").double()
+        for isa in isas:
+            block_matvec.use_int8_isa(isa)
+            assert_near(packed_linear(x, w, "int8"), ref)
+    block_matvec.use_int8_isa("auto")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_extremes_do_not_saturate(kind: str) -> None:
+    """Largest weights times activations quantized to +-127 everywhere: the int16 pair sums of
+    maddubs stay in range (a saturating path would be off by far more than the tolerance)."""
+    w = any_packed(kind, 16, 256, seed=5)
+    if kind == "q4_1":
+        w.qs.fill_(0xFF)  # every nibble 15
+    else:
+        w.qs.copy_(torch.where(torch.arange(w.qs.numel()).view_as(w.qs) % 2 == 0, -127, 127)
+                   .to(torch.int8))
+    wd = w.dequantize().double()
+    sign = 1.0 if kind == "q4_1" else torch.where(wd > 0, 1.0, -1.0)[0].float()
+    x = (torch.ones(3, 256) * sign * torch.tensor([[1.0], [-2.0], [3.0]])).contiguous()
+    ref = quantize_rows(x) @ wd.T
+    for isa in block_matvec.int8_isas():
+        block_matvec.use_int8_isa(isa)
+        assert_near(packed_linear(x, w, "int8"), ref)
+    block_matvec.use_int8_isa("auto")
+
+
+def test_auto_activations_follow_the_fidelity_kinds() -> None:
+    """activations "auto": int8 for the kinds that passed the fidelity check and are faster,
+    float32 (exact) for the others, in products, in a Linear of mixed segments and in the
+    report."""
+    from airserve.srt.layers.linear import packed_report
+
+    assert block_matvec.AUTO_INT8_KINDS == {"q4_1"}
+    for kind in KINDS:
+        want = "int8" if kind in block_matvec.AUTO_INT8_KINDS else "float32"
+        assert block_matvec.resolve_activations("auto", kind) == want
+        assert block_matvec.resolve_activations("float32", kind) == "float32"
+    with pytest.raises(ValueError, match="activations='int4'"):
+        block_matvec.resolve_activations("int4", "q4_1")
+    parts = [any_packed("q4_1", 16, 256, seed=1), any_packed("q4_k", 8, 256, seed=2)]
+    layer = Linear(256, 24, bias=False)
+    layer.attach_packed(parts, 4, "auto", drop_weight=True)
+    x = torch.randn(2, 256)
+    expected = torch.cat([packed_linear(x, parts[0], "int8"),
+                          packed_linear(x, parts[1], "float32")], dim=-1)
+    assert torch.equal(layer(x), expected)
+    assert not torch.equal(packed_linear(x, parts[0], "int8"), packed_linear(x, parts[0]))
+    report = packed_report([layer])
+    assert report["cpu_decode_activations"] == "auto"
+    assert report["activations_by_kind"] == {"q4_1": "int8", "q4_k": "float32"}
+    assert report["int8_isa"] == block_matvec.int8_isa()
+    assert report["float32_isa"] == block_matvec.float32_isa()

@@ -77,8 +77,10 @@ def test_loader_keeps_k_quants_as_blocks_only(kquant_file: str) -> None:
     assert float_bytes < sum(p.numel() * 4 for p in plain.parameters()) / 2
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int8", "auto"])
 def test_k_quant_decode_matches_float32_weights(kquant_file: str, activations: str) -> None:
+    """auto (the default): the K-quants, Q5_0/Q5_1 and the Q8_0 lm_head keep float32
+    activations (block_matvec.AUTO_INT8_KINDS)."""
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.server_args import ServerArgs
 
@@ -89,11 +91,16 @@ def test_k_quant_decode_matches_float32_weights(kquant_file: str, activations: s
     assert report["cpu_decode_activations"] == activations
     assert report["blocks_only_layers"] == report["linear_layers"] - 1  # all but the lm_head
     assert ("int8_isa" in report) == (activations == "int8")
+    if activations == "auto":
+        assert report["activations_by_kind"] == {
+            "q4_k": "float32", "q5_0": "float32", "q5_1": "float32", "q5_k": "float32",
+            "q6_k": "float32", "q8_0": "float32"}
+        assert "float32_isa" in report
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 9, 3)]
     ref = _logits(plain, prompts, 8)  # prefill (> 4 rows) dequantizes per chunk in `packed`
     got = _logits(packed, prompts, 8, feed=ref)
-    if activations == "float32":
+    if activations in ("float32", "auto"):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     else:
         rel = ((got - ref).norm() / ref.norm()).item()

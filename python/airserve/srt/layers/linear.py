@@ -18,6 +18,7 @@ from airserve.srt.layers.quant.block_matvec import (
     MAX_ROWS,
     PackedWeight,
     block_matmul,
+    resolve_activations,
 )
 from airserve.srt.layers.quant.matmul_paths import (
     FLOAT32_IMPLS,
@@ -46,7 +47,7 @@ class Linear(nn.Linear):
 
     packed_max_rows: int = 0  # inputs of at most this many rows use the packed weight
     packed_kinds: tuple[str, ...] = ()  # block kind of each segment, in output-row order
-    packed_activations: str = "float32"  # or "int8": see block_matvec.block_matmul
+    packed_activations: str = "float32"  # "int8" or "auto": see block_matvec.block_matmul
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
@@ -177,7 +178,8 @@ class Linear(nn.Linear):
         path = self.path_for(x.shape[0])
         if path == "packed":
             x = x.contiguous()
-            outs = [block_matmul(x, kind, *self._segment(i), self.packed_activations)
+            outs = [block_matmul(x, kind, *self._segment(i),
+                                 resolve_activations(self.packed_activations, kind))
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         elif path == "bfloat16":
@@ -246,6 +248,11 @@ def packed_report(layers: list[Linear]) -> dict:
     activations = sorted({m.packed_activations for m in packed})
     report = {"cpu_decode_activations": activations[0] if len(activations) == 1 else activations,
               "blocks_only_layers": sum(m.float_source is None for m in packed)}
+    resolved = {(kind, resolve_activations(m.packed_activations, kind))
+                for m in packed for kind in m.packed_kinds}
+    if "auto" in activations:  # what each kind's products use
+        report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
+    activations = {a for _, a in resolved}
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
     if "float32" in activations:

@@ -11,7 +11,12 @@ import torch
 
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
-from airserve_testing import random_prompts, run_side_by_side, tiny_gguf_runners
+from airserve_testing import (
+    q4_1_decode_op,
+    random_prompts,
+    run_side_by_side,
+    tiny_gguf_runners,
+)
 
 # Both float32; only the summation order differs (oneDNN vs sgemm, inductor's fusions).
 ATOL = 1e-4
@@ -72,7 +77,7 @@ def test_buckets_match_eager_on_onednn(runners, bs):
     ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))  # one more replay, profiled
     assert graph.graph_runner.replay_count == replays + 7
     assert ("airserve::onednn_linear" in ops) == (bs > PACKED_LIMIT), ops
-    assert ("airserve::q4_1_matmul" in ops) == (bs <= PACKED_LIMIT), ops
+    assert (q4_1_decode_op(graph) in ops) == (bs <= PACKED_LIMIT), ops
     for r in reqs:
         r.release()
 

@@ -11,6 +11,7 @@ from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
 from airserve_testing import (
     Requests,
+    q4_1_decode_op,
     random_prompts,
     run_side_by_side,
     tiny_gguf_runners,
@@ -63,7 +64,7 @@ def test_buckets_match_eager_on_the_same_path(runners, bs):
     ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
     assert graph.graph_runner.replay_count == replays + 7
     assert ("airserve::w8a8_linear" in ops) == (bs > PACKED_LIMIT), ops
-    assert ("airserve::q4_1_matmul" in ops) == (bs <= PACKED_LIMIT), ops
+    assert (q4_1_decode_op(graph) in ops) == (bs <= PACKED_LIMIT), ops
     for r in reqs:
         r.release()
 

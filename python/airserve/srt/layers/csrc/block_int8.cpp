@@ -105,6 +105,7 @@ namespace {
 // Instruction sets, best first. Index into this table is what g_isa holds.
 const char* const kIsaNames[] = {"avx512_vnni", "avx_vnni", "avx2", "scalar"};
 using RunFn = void (*)(const Int8Job&, int64_t, int64_t, int64_t);
+using QuantizeFn = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
 
 bool isa_supported(int isa) {
 #if defined(AIRSERVE_HAS_SIMD)
@@ -134,6 +135,19 @@ RunFn isa_fn(int isa) {
     case 2: return isa_avx2::run;
 #endif
     default: return isa_scalar::run;
+  }
+}
+
+QuantizeFn isa_quantize(int isa) {
+  switch (isa) {
+#if defined(AIRSERVE_HAS_SIMD)
+    case 0: return isa_avx512_vnni::quantize;
+#if defined(AIRSERVE_HAS_AVX_VNNI)
+    case 1: return isa_avx_vnni::quantize;
+#endif
+    case 2: return isa_avx2::quantize;
+#endif
+    default: return isa_scalar::quantize;
   }
 }
 
@@ -186,25 +200,6 @@ void check_x(const at::Tensor& x, const char* op) {
               " rows, got ", x.size(0));
 }
 
-// x [M, K] -> int8 values per block of 32, the scales xd and the scaled sums xs.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-  const int64_t nb = K / 32;
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const float* v = x + i * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));
-      xq[i * 32 + j] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    xd[i] = d;
-    xs[i] = d * static_cast<float>(sum);
-  }
-}
-
 // The checks both products share, and their job without activations; `out` becomes [M, N].
 static Int8Job checked_job(const at::Tensor& x, const std::string& kind, const at::Tensor& qs,
                            const c10::optional<at::Tensor>& d, const c10::optional<at::Tensor>& m,
@@ -228,11 +223,12 @@ at::Tensor block_matmul_int8(const at::Tensor& x, const std::string& kind, const
   const int64_t M = x.size(0), K = job.K, N = job.N, nb = job.nb;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+  const int isa = current_isa();
+  isa_quantize(isa)(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
   job.xq = xq.data();
   job.xd = xd.data();
   job.xs = xs.data();
-  const RunFn run = isa_fn(current_isa());
+  const RunFn run = isa_fn(isa);
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) { run(job, M, n0, n1); });
   return out;
 }

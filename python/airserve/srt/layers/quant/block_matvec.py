@@ -10,7 +10,8 @@ with the dequantized weights up to summation order.
 Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KINDS`) is held as
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
-products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time).
+products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
+`activations="auto"` (the server default) picks per kind (`resolve_activations`).
 
 If the operators cannot be built (no C++ compiler), `kernels_available()` says why once in the
 log and the model keeps using its float32 weights; the model runner reports which path it uses.
@@ -36,7 +37,25 @@ _lib.define("dequantize_blocks(str kind, Tensor qs, Tensor? d, Tensor? m, int K)
 RAW_KINDS = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176),
              "q6_k": (256, 210)}
 KINDS = ("q4_1", "q8_0", *RAW_KINDS)
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "auto")
+# Kinds whose products take int8 activations under "auto": int8 passed the fidelity check
+# (benchmark/kernels/fidelity.py, ~2,000 tokens: top-1 agreement with float32 >= 98%, perplexity
+# within 1%) and is faster than float32. The default model's Q4_1 file (Q4_1 layers, Q8_0
+# lm_head) passed at 98.09% / +0.21%, and Q4_1's int8 products are 1.5-2.5x faster on AVX2
+# (benchmark/kernels/bench_kernels.py). Q8_0 passed too but its int8 product is not faster on the
+# lm_head shape (49152 x 576) on AVX2, so it stays float32; Q4_K_M (97.14%) and Q6_K (97.84%)
+# failed on top-1, so the K-quants (and Q5_0/Q5_1, measured only within Q4_K_M) stay float32.
+AUTO_INT8_KINDS = frozenset({"q4_1"})
+
+
+def resolve_activations(activations: str, kind: str) -> str:
+    """The activations a product of `kind` blocks uses: "auto" picks int8 for `AUTO_INT8_KINDS`
+    and float32 (exact) for the others."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
+    if activations != "auto":
+        return activations
+    return "int8" if kind in AUTO_INT8_KINDS else "float32"
 
 
 @torch.library.register_fake("airserve::q4_1_matmul")
@@ -120,8 +139,9 @@ def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor |
                  m: torch.Tensor | None, activations: str = "float32") -> torch.Tensor:
     """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(weight).T, for the weight
     whose `PackedWeight` fields are (kind, qs, d, m). activations "float32": exact block values
-    times x in float32; "int8": x quantized per block of 32, integer dot products."""
-    if activations == "int8":
+    times x in float32; "int8": x quantized per block of 32, integer dot products; "auto": by
+    kind (`resolve_activations`)."""
+    if resolve_activations(activations, kind) == "int8":
         return torch.ops.airserve.block_matmul_int8(x, kind, qs, d, m)
     if kind == "q4_1":
         return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
