@@ -55,6 +55,8 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "radix+chunked+mixed+budget": ("--enable-mixed-chunk",),
 }
 WORKLOADS = ("gsm8k", "gsp", "random", "sharegpt", "poisson")
+SCHEDULER_COUNTS = ("prefill_tokens", "mixed_steps", "prefill_budget_limited_steps",
+                    "interleaved_decode_steps", "retractions")
 SMALL = dict(gsm8k_questions=16, gsm8k_parallel=16, gsm8k_max_new_tokens=48, gsp_num_groups=2,
              gsp_prompts_per_group=4, gsp_system_prompt_len=256, gsp_question_len=32,
              gsp_output_len=16, input_len=64, output_len=16, concurrency=[1, 8], num_prompts=8,
@@ -156,7 +158,10 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
             row["cache_hit_rate"] = hit_rate(before, cache_stats(server))
             record["workloads"][workload] = row
             server.check_alive()
-        record["eager_fallbacks"] = get_json(server.url + "/get_server_info")["eager_fallbacks"]
+        info = get_json(server.url + "/get_server_info")
+        record["eager_fallbacks"] = info["eager_fallbacks"]
+        # How often the decode budget cut a prefill step short, over all workloads.
+        record["scheduler_counts"] = {k: info["stats"].get(k) for k in SCHEDULER_COUNTS}
 
 
 def answers_check(records: dict) -> dict:
