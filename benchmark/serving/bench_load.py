@@ -42,13 +42,21 @@ from airserve.benchmark.datasets import load_tokenizer  # noqa: E402
 from airserve.test import few_shot_gsm8k  # noqa: E402
 
 # Name -> server flags. The first one is the reference for the answer check and the
-# Poisson rate: airserve before the prefix cache and chunked prefill.
+# Poisson rate: airserve before the prefix cache and chunked prefill. "budget" is the
+# decode-aware prefill budget (--decode-chunked-prefill-size, on by default on cpu); the
+# configurations without it turn it off.
+NO_BUDGET = ("--decode-chunked-prefill-size", "-1")
 CONFIGS: dict[str, tuple[str, ...]] = {
     "no-cache": ("--disable-radix-cache", "--chunked-prefill-size", "-1"),
     "radix": ("--chunked-prefill-size", "-1"),
-    "radix+chunked": (),  # the defaults
-    "radix+chunked+mixed": ("--enable-mixed-chunk",),
+    "radix+chunked": NO_BUDGET,
+    "radix+chunked+mixed": ("--enable-mixed-chunk", *NO_BUDGET),
+    "radix+chunked+budget": (),  # the defaults
+    "radix+chunked+mixed+budget": ("--enable-mixed-chunk",),
 }
+WORKLOADS = ("gsm8k", "gsp", "random", "sharegpt", "poisson")
+SCHEDULER_COUNTS = ("prefill_tokens", "mixed_steps", "prefill_budget_limited_steps",
+                    "interleaved_decode_steps", "retractions")
 SMALL = dict(gsm8k_questions=16, gsm8k_parallel=16, gsm8k_max_new_tokens=48, gsp_num_groups=2,
              gsp_prompts_per_group=4, gsp_system_prompt_len=256, gsp_question_len=32,
              gsp_output_len=16, input_len=64, output_len=16, concurrency=[1, 8], num_prompts=8,
@@ -114,7 +122,7 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list]]:
         if args.sharegpt_output_len > 0:
             out.append((f"sharegpt-c{c}", share + n))
     out.append(("poisson", rand + ["--num-prompts", str(args.poisson_prompts)]))
-    return out
+    return [(name, argv) for name, argv in out if name.split("-c")[0] in args.workloads]
 
 
 def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
@@ -150,7 +158,10 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
             row["cache_hit_rate"] = hit_rate(before, cache_stats(server))
             record["workloads"][workload] = row
             server.check_alive()
-        record["eager_fallbacks"] = get_json(server.url + "/get_server_info")["eager_fallbacks"]
+        info = get_json(server.url + "/get_server_info")
+        record["eager_fallbacks"] = info["eager_fallbacks"]
+        # How often the decode budget cut a prefill step short, over all workloads.
+        record["scheduler_counts"] = {k: info["stats"].get(k) for k in SCHEDULER_COUNTS}
 
 
 def answers_check(records: dict) -> dict:
@@ -192,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "under load, every configuration in one run.")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
                    help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (poisson alone needs "
+                        "--request-rate, or random at some concurrency to set it)")
     p.add_argument("--small", action="store_true", help="small sizes for a quick try: "
                    + ", ".join(f"{k}={v}" for k, v in SMALL.items()))
     p.add_argument("--gsm8k-questions", type=int, default=200, help="0 skips gsm8k")
@@ -237,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted((set(args.configs) | set(args.gsm8k_configs or ())) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict] = {}

@@ -119,6 +119,12 @@ class _SchedulerCollector(Collector):
                cache("evicted_tokens"))
         family(counter, "mixed_steps", "Forward passes that carried decode rows and a prefill "
                "chunk together", lambda s: s.get("mixed_steps", 0))
+        family(gauge, "decode_chunked_prefill_size", "Prefill tokens per step while requests "
+               "decode (0: no such budget)", lambda s: s.get("decode_chunked_prefill_size") or 0)
+        family(counter, "prefill_budget_limited_steps", "Prefill steps cut short by the budget "
+               "while requests decode", lambda s: s.get("prefill_budget_limited_steps", 0))
+        family(counter, "interleaved_decode_steps", "Decode steps run between two prefill "
+               "steps while prefill work waited", lambda s: s.get("interleaved_decode_steps", 0))
         family(counter, "num_retractions", "Requests retracted to free KV pages",
                lambda s: s.get("retractions", 0))
         return iter(families)

@@ -33,6 +33,16 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 # Accelerators take SGLang's size.
 DEFAULT_CPU_CHUNK = 512
 DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_CHUNK, "cuda": 8192, "npu": 8192}
+# Prefill tokens per step while requests decode, when --decode-chunked-prefill-size is not
+# given. Every running stream waits for each prefill step, so its worst gap between tokens is
+# one decode step plus one prefill step of this size. Measured on a quiet 2-core AVX2 CPU
+# (default model, bench_load Poisson 128/128 at 0.81 req/s): a 512-token prefill step takes
+# ~1 s (~2 ms a token) and a decode step ~0.2 s, and ITL p99 was ~1.0-1.1 s with full chunks.
+# 128 bounds the gap near 0.2 + 0.26 s, under half of that, and still reads a 128-token prompt
+# in one step; smaller budgets split such prompts, a decode step between the parts (TTFT).
+# Accelerators keep SGLang's behaviour (-1: prefill steps of the full chunk, back to back).
+DEFAULT_CPU_DECODE_CHUNK = 128
+DEFAULT_DECODE_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_DECODE_CHUNK}
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,9 @@ class ServerArgs:
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     chunked_prefill_size: int | None = None  # None: per device (see resolved_...); -1: off
+    # Prefill tokens per step while requests decode, with a decode step between two prefill
+    # steps; None: per device (see resolved_...); -1: off (the full chunk, back to back).
+    decode_chunked_prefill_size: int | None = None
     # Off by default: on CPU a mixed step runs the decode rows eager through the float32
     # weights, losing the packed-weight decode kernels and graph replay. In a small load run
     # on a busy 2-core machine it lowered Poisson ITL p99 (0.98 vs 1.63 s) but cost output
@@ -186,6 +199,7 @@ class ServerArgs:
                 self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size}: a positive "
                              "number of tokens, or -1 to turn chunking off")
+        self._check_decode_chunk()
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -208,6 +222,21 @@ class ServerArgs:
         check_page_size(self.resolved_attention_backend, self.resolved_page_size)
         self._check_parallel()
         self._check_quantization()
+
+    def _check_decode_chunk(self) -> None:
+        size = self.decode_chunked_prefill_size
+        if size is None or size == -1:
+            return
+        if size < 1:
+            raise ValueError(f"decode_chunked_prefill_size={size}: a positive number of "
+                             "tokens, or -1 for the full chunk while requests decode")
+        if self.chunked_prefill_size == -1:
+            raise ValueError(f"decode_chunked_prefill_size={size} needs chunked prefill: drop "
+                             "--chunked-prefill-size -1 (or set --decode-chunked-prefill-size -1)")
+        chunk = self.resolved_chunked_prefill_size
+        if chunk is not None and size > chunk:
+            raise ValueError(f"decode_chunked_prefill_size={size} exceeds chunked_prefill_size="
+                             f"{chunk}: the budget while decoding is at most the chunk")
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "nnodes", "dist_timeout"):
@@ -285,6 +314,17 @@ class ServerArgs:
         if size is None:
             size = DEFAULT_CHUNKED_PREFILL_SIZE.get(self.device, 2048)
         return None if size == -1 else size
+
+    @property
+    def resolved_decode_chunked_prefill_size(self) -> int | None:
+        """Prefill tokens per step while requests decode; None when that budget is off (or
+        chunking is). The device default never exceeds a smaller --chunked-prefill-size."""
+        chunk = self.resolved_chunked_prefill_size
+        size = self.decode_chunked_prefill_size
+        if size is None:
+            size = DEFAULT_DECODE_CHUNKED_PREFILL_SIZE.get(self.device, -1)
+            size = size if size == -1 or chunk is None else min(size, chunk)
+        return None if size == -1 or chunk is None else size
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -379,6 +419,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help=f"prefill long prompts this many tokens per step (-1: off; default "
                         f"{DEFAULT_CPU_CHUNK} on cpu)")
+    g.add_argument("--decode-chunked-prefill-size", type=int,
+                   default=d.decode_chunked_prefill_size,
+                   help=f"while requests decode, prefill at most this many tokens per step and "
+                        f"decode between two prefill steps (-1: off; default "
+                        f"{DEFAULT_CPU_DECODE_CHUNK} on cpu, off elsewhere)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="decode the running requests in the same forward as a prefill chunk")
     g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 
 import httpx
 import pytest
@@ -186,3 +187,34 @@ def test_prefix_cache_hits_are_reported(http):
     assert http.post("/flush_cache").status_code == 200
     third = generate(http, text=prompt, sampling_params=params)
     assert third["meta_info"]["cached_tokens"] == 0 and third["output_ids"] == first["output_ids"]
+
+
+def test_prefill_budget_while_decoding_is_reported(server, http):
+    """A long prompt that arrives while a stream decodes is read at most the decode budget per
+    step (the server's cpu default), a decode step between two of its chunks; the output is
+    the one it gets alone; /get_server_info and /metrics show the budget and the counts."""
+    prompt = [5 + i % 290 for i in range(300)]  # three chunks of the default budget of 128
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    alone = generate(http, input_ids=prompt, sampling_params=params)["output_ids"]
+    assert http.post("/flush_cache").status_code == 200
+    before = http.get("/get_server_info").json()["stats"]
+    assert before["decode_chunked_prefill_size"] == 128
+    stream_body = {"input_ids": [7, 8, 9], "stream": True,
+                   "sampling_params": {"temperature": 0, "max_new_tokens": 400,
+                                       "ignore_eos": True}}
+    with server.client() as other, other.stream("POST", "/generate", json=stream_body) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):  # the stream decodes now
+            pass
+        out = generate(http, input_ids=prompt, sampling_params=params)
+        for _ in lines:  # let the stream finish
+            pass
+    assert out["output_ids"] == alone
+    after = http.get("/get_server_info").json()["stats"]
+    assert after["prefill_budget_limited_steps"] - before["prefill_budget_limited_steps"] >= 2
+    assert after["interleaved_decode_steps"] - before["interleaved_decode_steps"] >= 2
+    text = http.get("/metrics").text
+    assert re.search(r"^airserve:decode_chunked_prefill_size\{[^}]*\} 128\.0$", text, re.M)
+    for name in ("airserve:prefill_budget_limited_steps_total",
+                 "airserve:interleaved_decode_steps_total"):
+        assert name in text, name

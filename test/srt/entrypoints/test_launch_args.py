@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airserve.launch_server import parse_args
-from airserve.srt.server_args import DEFAULT_CPU_CHUNK
+from airserve.srt.server_args import DEFAULT_CPU_CHUNK, DEFAULT_CPU_DECODE_CHUNK
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -35,6 +35,11 @@ def test_scheduling_flags():
     assert args.enable_mixed_chunk and not args.disable_radix_cache
     assert parse_args(["--chunked-prefill-size", "-1"]).resolved_chunked_prefill_size is None
     assert parse_args([]).resolved_chunked_prefill_size == DEFAULT_CPU_CHUNK
+    assert parse_args([]).resolved_decode_chunked_prefill_size == DEFAULT_CPU_DECODE_CHUNK
+    args = parse_args(["--decode-chunked-prefill-size", "64"])
+    assert args.resolved_decode_chunked_prefill_size == 64
+    args = parse_args(["--decode-chunked-prefill-size", "-1"])
+    assert args.resolved_decode_chunked_prefill_size is None
 
 
 def test_defaults():
@@ -63,6 +68,12 @@ def test_bad_values_name_the_flag(capsys):
     assert "--device" in refused(["--device", "tpu"], capsys)
     assert "chunked_prefill_size=0" in refused(["--chunked-prefill-size", "0"], capsys)
     assert "--schedule-policy" in refused(["--schedule-policy", "lifo"], capsys)
+    assert "decode_chunked_prefill_size=0" in refused(
+        ["--decode-chunked-prefill-size", "0"], capsys)
+    err = refused(["--chunked-prefill-size", "-1", "--decode-chunked-prefill-size", "64"], capsys)
+    assert "needs chunked prefill" in err
+    err = refused(["--chunked-prefill-size", "64", "--decode-chunked-prefill-size", "100"], capsys)
+    assert "exceeds chunked_prefill_size=64" in err
 
 
 def test_tensor_parallel_flags(capsys):

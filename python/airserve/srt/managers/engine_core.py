@@ -41,6 +41,7 @@ def eos_token_ids(model_runner: ModelRunner, tokenizer: Tokenizer) -> tuple[int,
 def scheduler_config(args: ServerArgs) -> SchedulerConfig:
     return SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
                            chunked_prefill_size=args.resolved_chunked_prefill_size,
+                           decode_chunked_prefill_size=args.resolved_decode_chunked_prefill_size,
                            enable_mixed_chunk=args.enable_mixed_chunk,
                            schedule_policy=args.schedule_policy,
                            radix_cache=not args.disable_radix_cache)

@@ -7,6 +7,8 @@ most of, so requests sharing a prefix run together while it is cached.
 `PrefillAdder` admits requests in that order while the step's token budget, the request slots
 and the KV pages allow, and takes a prompt longer than what is left of the budget in chunks
 (`--chunked-prefill-size`): the chunk's KV stays, the rest follows in the next steps.
+`PrefillBudget` sets that budget: smaller while requests decode
+(`--decode-chunked-prefill-size`), so new prompts do not stall running streams.
 """
 
 from __future__ import annotations
@@ -102,3 +104,29 @@ class PrefillAdder:
         self.tokens_left -= take
         if req.kv_len + take < len(req.fill_ids):
             self.partial = req
+
+
+class PrefillBudget:
+    """How many prompt tokens a prefill step may take, and whether one may run now.
+
+    An idle server prefills up to `full` tokens per step (the chunk, or --max-prefill-tokens
+    without chunking): TTFT is all that counts. While requests decode, every stream waits for
+    each prefill step, so with `while_decoding` set (--decode-chunked-prefill-size) a step
+    takes at most that many tokens and a decode step runs between two prefill steps: no stream
+    waits for more than one bounded chunk. Unset, prefill steps run back to back whenever
+    prefill work fits, as before.
+    """
+
+    def __init__(self, full: int, while_decoding: int | None) -> None:
+        self.full = full
+        self.while_decoding = while_decoding
+        self.last_was_prefill = False
+
+    def decode_first(self, decoding: bool) -> bool:
+        """True when streams wait and the last step was a prefill: this step decodes."""
+        return self.while_decoding is not None and decoding and self.last_was_prefill
+
+    def tokens(self, decoding: bool) -> int:
+        if decoding and self.while_decoding is not None:
+            return min(self.full, self.while_decoding)
+        return self.full

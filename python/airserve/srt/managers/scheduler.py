@@ -3,8 +3,10 @@
 One step: `batch = next_batch(); logits = model_runner.forward(batch.fb); process(batch, ...)`.
 A new request reuses the KV of the longest cached prefix of its prompt and prefills the rest,
 in chunks of --chunked-prefill-size tokens when it is long; after its last chunk it joins the
-decode batch. With --enable-mixed-chunk the running requests decode in the same forward as a
-prefill chunk. When decode cannot grow, cached pages are evicted, then the newest running
+decode batch. While requests decode, a prefill step takes at most --decode-chunked-prefill-size
+tokens and a decode step runs between two prefill steps, so a stream waits for one bounded chunk
+at most; with --enable-mixed-chunk the running requests decode in the same forward as a prefill
+chunk. When decode cannot grow, cached pages are evicted, then the newest running
 request is retracted (its KV goes into the prefix cache) and re-run later from its prompt plus
 the tokens it already produced, so its output is unchanged. A request with a grammar waits in
 the grammar queue until its grammar is compiled; its matcher then masks every sampled token.
@@ -25,7 +27,7 @@ from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.managers import isolation, logprob_rows
 from airserve.srt.managers.grammar_queue import GrammarQueue
 from airserve.srt.managers.req import Req
-from airserve.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from airserve.srt.managers.schedule_policy import PrefillAdder, PrefillBudget, SchedulePolicy
 from airserve.srt.mem_cache.kv_manager import KVManager
 from airserve.srt.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from airserve.srt.model_executor.model_runner import ModelRunner
@@ -45,9 +47,23 @@ class ScheduledBatch:
 class SchedulerConfig:
     max_prefill_tokens: int = 8192  # prefill tokens per step without chunking
     chunked_prefill_size: int | None = None  # None: whole prompts; else tokens per step
+    # Prefill tokens per step while requests decode, a decode step between two prefill steps;
+    # None: chunked_prefill_size, prefill steps back to back. Needs chunking.
+    decode_chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool = False
     schedule_policy: str = "fcfs"
     radix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        budget = self.decode_chunked_prefill_size
+        if budget is None:
+            return
+        if self.chunked_prefill_size is None:
+            raise ValueError("decode_chunked_prefill_size needs chunked prefill: set "
+                             "chunked_prefill_size (prompts are cut at the smaller budget)")
+        if not 0 < budget <= self.chunked_prefill_size:
+            raise ValueError(f"decode_chunked_prefill_size={budget}: must be in "
+                             f"1..chunked_prefill_size ({self.chunked_prefill_size})")
 
 
 class Scheduler:
@@ -68,10 +84,16 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(grammar_backend)
         self.running: list[Req] = []
         self.chunked_req: Req | None = None  # prefilled in part; its next chunk comes first
+        chunk = config.chunked_prefill_size
+        self.budget = PrefillBudget(config.max_prefill_tokens if chunk is None else chunk,
+                                    config.decode_chunked_prefill_size)
         self._finished: list[Req] = []
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "retractions": 0,
                       "mixed_steps": 0, "finished_requests": 0, "aborted_requests": 0,
-                      "failed_requests": 0, "grammar_requests": 0}
+                      "failed_requests": 0, "grammar_requests": 0,
+                      # Prefill steps the decode budget cut short; decode steps run between
+                      # two prefill steps while prefill work waited.
+                      "prefill_budget_limited_steps": 0, "interleaved_decode_steps": 0}
 
     # Requests in and out.
     def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
@@ -174,14 +196,25 @@ class Scheduler:
 
     # Batch building.
     def next_batch(self) -> ScheduledBatch | None:
-        """Without mixed batches: a prefill step whenever prefill work fits, else a decode step.
-        With them (--enable-mixed-chunk): the running requests' decode rows ride along with
-        this step's prefill rows in one extend batch."""
-        if not self.config.enable_mixed_chunk or not self.running:
-            prefill = self._admit()
-            if prefill is not None:
-                return ScheduledBatch(prefill.reqs, self._build_extend(prefill.reqs, prefill.locs))
-            return self._decode_batch()
+        """Without mixed batches: a prefill step whenever prefill work fits, else a decode step;
+        with a decode budget, never two prefill steps in a row while requests decode. With
+        them (--enable-mixed-chunk): the running requests' decode rows ride along with this
+        step's prefill rows in one extend batch."""
+        if self.config.enable_mixed_chunk and self.running:
+            return self._next_mixed()
+        if self.budget.decode_first(bool(self.running)) and (self.waiting or self.chunked_req):
+            batch = self._decode_batch()
+            if batch is not None:  # None: every stream was retracted to make room
+                self.stats["interleaved_decode_steps"] += 1
+                self.budget.last_was_prefill = False
+                return batch
+        prefill = self._admit()
+        self.budget.last_was_prefill = prefill is not None
+        if prefill is not None:
+            return ScheduledBatch(prefill.reqs, self._build_extend(prefill.reqs, prefill.locs))
+        return self._decode_batch()
+
+    def _next_mixed(self) -> ScheduledBatch | None:
         retracted = self._make_room_for_decode()
         # Re-admitting a request retracted this very step would only thrash.
         prefill = None if retracted else self._admit()
@@ -191,9 +224,8 @@ class Scheduler:
 
     def _admit(self) -> PrefillAdder | None:
         """This step's prefill rows, their KV slots allocated; None if nothing can start."""
-        cfg = self.config
-        chunked = cfg.chunked_prefill_size is not None
-        budget = cfg.chunked_prefill_size if chunked else cfg.max_prefill_tokens
+        chunked = self.config.chunked_prefill_size is not None
+        budget = self.budget.tokens(decoding=bool(self.running))
         adder = PrefillAdder(self.kv, budget, chunked, self.max_running - len(self.running),
                              reserve_pages=len(self.running))
         if self.chunked_req is not None and not adder.add_continuing(self.chunked_req):
@@ -204,7 +236,10 @@ class Scheduler:
         self.chunked_req = adder.partial
         if not adder.reqs:
             return None
-        self.stats["prefill_tokens"] += sum(r.extend_len for r in adder.reqs)
+        taken = sum(r.extend_len for r in adder.reqs)
+        if budget < self.budget.full and taken >= budget and (self.chunked_req or self.waiting):
+            self.stats["prefill_budget_limited_steps"] += 1
+        self.stats["prefill_tokens"] += taken
         return adder
 
     def _decode_batch(self, room_made: bool = False) -> ScheduledBatch | None:

@@ -224,6 +224,7 @@ class SchedulerLoop:
             "graph_replays": self.runner.graph_replays,
             "eager_fallbacks": dict(self.runner.fallback_counts),
             **self.scheduler.stats,
+            "decode_chunked_prefill_size": self.scheduler.config.decode_chunked_prefill_size,
             "prefix_cache": self.scheduler.cache_report(),
         }
 

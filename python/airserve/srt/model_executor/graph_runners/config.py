@@ -82,9 +82,9 @@ class RunnerConfig:
 NOT_IN_GRAPH = frozenset({
     "tokenizer_path", "served_model_name", "random_seed", "mem_fraction_static",
     "max_total_tokens", "max_prefill_tokens", "disable_radix_cache", "schedule_policy",
-    "chunked_prefill_size", "enable_mixed_chunk", "dp_size", "nnodes", "node_rank",
-    "dist_init_addr", "dist_timeout", "compile_cache_dir", "host", "port", "api_key",
-    "log_level", "enable_metrics", "skip_server_warmup", "max_request_body_bytes",
+    "chunked_prefill_size", "decode_chunked_prefill_size", "enable_mixed_chunk", "dp_size",
+    "nnodes", "node_rank", "dist_init_addr", "dist_timeout", "compile_cache_dir", "host", "port",
+    "api_key", "log_level", "enable_metrics", "skip_server_warmup", "max_request_body_bytes",
     "allowed_hosts",
 })
 

@@ -1,0 +1,197 @@
+"""The decode-aware prefill budget (--decode-chunked-prefill-size) on a tiny random model:
+while requests decode a prefill step takes at most the budget and never follows another prefill
+step, an idle server keeps the full chunk, and greedy outputs do not depend on the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve import Engine
+from airserve.srt.forward_batch import ForwardMode
+from airserve.srt.managers.engine_core import build_req, eos_token_ids
+from airserve.srt.managers.scheduler import Scheduler, SchedulerConfig
+from airserve.srt.sampling.sampling_params import SamplingParams
+from airserve.srt.server_args import ServerArgs
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+CHUNK = 32
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
+def engine(request, tiny_llama_dir):
+    return Engine(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=8,
+                  page_size=request.param)
+
+
+class TracingScheduler(Scheduler):
+    """Records each step as (prefill tokens, decode rows, streams decoding when built)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace: list[tuple[int, int, int]] = []
+
+    def next_batch(self):
+        decoding = len(self.running)
+        batch = super().next_batch()
+        if batch is not None:
+            rows = [r.extend_len for r in batch.reqs]
+            if batch.fb.forward_mode == ForwardMode.DECODE:
+                self.trace.append((0, len(rows), decoding))
+            else:  # prefill rows come first; a mixed batch's decode rows follow
+                n_prefill = len(rows) - (decoding if self.config.enable_mixed_chunk else 0)
+                self.trace.append((sum(rows[:n_prefill]), len(rows) - n_prefill, decoding))
+        return batch
+
+
+def run_staggered(engine: Engine, prompts: list[list[int]], **config) -> TracingScheduler:
+    """Two prompts arrive at once, then one more every other step while those decode; the KV
+    audit runs after every step."""
+    eos = eos_token_ids(engine.model_runner, engine.tokenizer)
+    sched = TracingScheduler(engine.model_runner, eos, SchedulerConfig(**config))
+    reqs = [build_req(engine.tokenizer, p, SamplingParams.from_dict(GREEDY)) for p in prompts]
+    pending = list(reqs)
+    sched.add_request(pending.pop(0))
+    sched.add_request(pending.pop(0))
+    steps = 0
+    while not all(r.finished for r in reqs):
+        if pending and steps % 2:
+            sched.add_request(pending.pop(0))
+        sched.step()
+        sched.kv.audit(sched.holders())
+        steps += 1
+    sched.outputs = [r.output_ids for r in reqs]
+    sched.flush_cache()
+    assert engine.model_runner.allocator.available_pages() == \
+        engine.model_runner.allocator.total_usable_pages
+    return sched
+
+
+def make_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(1, vocab, (20,), generator=g).tolist()
+    lengths = (40, 9, 70, 25, 50, 33)
+    return [(shared if i % 2 else []) + torch.randint(1, vocab, (n,), generator=g).tolist()
+            for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> TracingScheduler:
+    """Whole prompts, no cache, no budget."""
+    return run_staggered(engine, make_prompts(engine.model_runner.model_config.vocab_size),
+                         radix_cache=False)
+
+
+def test_budget_applies_only_while_requests_decode(engine):
+    prompts = make_prompts(engine.model_runner.model_config.vocab_size)
+    sched = run_staggered(engine, prompts, chunked_prefill_size=CHUNK,
+                          decode_chunked_prefill_size=6)
+    prefill = [(tokens, decoding) for tokens, _, decoding in sched.trace if tokens]
+    assert max(t for t, decoding in prefill if decoding) <= 6
+    # Idle, the first two prompts (40 and 29 + 20 tokens) are read a full chunk per step.
+    assert prefill[0] == (CHUNK, 0)
+    assert sched.stats["prefill_budget_limited_steps"] > 0
+    assert sched.stats["interleaved_decode_steps"] > 0
+
+
+def test_no_two_prefill_steps_in_a_row_while_streams_wait(engine):
+    prompts = make_prompts(engine.model_runner.model_config.vocab_size)
+
+    def back_to_back(trace) -> int:
+        """Prefill steps built while streams decoded that came right after a prefill step."""
+        return sum(1 for prev, cur in zip(trace, trace[1:]) if prev[0] and cur[0] and cur[2])
+
+    budgeted = run_staggered(engine, prompts, chunked_prefill_size=CHUNK,
+                             decode_chunked_prefill_size=6)
+    assert back_to_back(budgeted.trace) == 0
+    # Without the budget the same arrivals prefill back to back: the check above can fail.
+    plain = run_staggered(engine, prompts, chunked_prefill_size=CHUNK)
+    assert back_to_back(plain.trace) > 0
+    assert plain.stats["prefill_budget_limited_steps"] == 0
+    assert plain.stats["interleaved_decode_steps"] == 0
+
+
+@pytest.mark.parametrize("config", [
+    dict(chunked_prefill_size=CHUNK, decode_chunked_prefill_size=5),  # mid-page for page 4
+    dict(chunked_prefill_size=CHUNK, decode_chunked_prefill_size=CHUNK),
+    dict(chunked_prefill_size=7, decode_chunked_prefill_size=3),
+    dict(chunked_prefill_size=CHUNK, decode_chunked_prefill_size=6, enable_mixed_chunk=True),
+    dict(chunked_prefill_size=CHUNK, decode_chunked_prefill_size=5, schedule_policy="lpm"),
+], ids=["b5", "b_chunk", "c7_b3", "b6_mixed", "b5_lpm"])
+def test_greedy_outputs_do_not_depend_on_the_budget(engine, reference, config):
+    prompts = make_prompts(engine.model_runner.model_config.vocab_size)
+    sched = run_staggered(engine, prompts, **config)
+    assert sched.outputs == reference.outputs
+    budget = config["decode_chunked_prefill_size"]
+    assert max(t for t, _, decoding in sched.trace if decoding) <= budget
+    if config.get("enable_mixed_chunk"):
+        assert sched.stats["mixed_steps"] > 0
+
+
+def test_retraction_and_aborts_keep_pages_and_outputs(tiny_llama_dir):
+    """A pool too small for every stream: retraction happens under the budget, an aborted
+    half-read prompt frees its pages, the others keep their solo outputs."""
+    eng = Engine(model_path=tiny_llama_dir, max_total_tokens=160, page_size=4,
+                 max_running_requests=6)
+    prompts = make_prompts(eng.model_runner.model_config.vocab_size)[:4]
+    params = {**GREEDY, "max_new_tokens": 60}  # two streams outgrow the pool: retraction
+    eos = eos_token_ids(eng.model_runner, eng.tokenizer)
+    expected = []
+    for p in prompts:
+        ref = Scheduler(eng.model_runner, eos, SchedulerConfig(radix_cache=False))
+        req = build_req(eng.tokenizer, p, SamplingParams.from_dict(params))
+        ref.add_request(req)
+        while not req.finished:
+            ref.step()
+        expected.append(req.output_ids)
+    sched = Scheduler(eng.model_runner, eos, SchedulerConfig(chunked_prefill_size=16,
+                                                             decode_chunked_prefill_size=5))
+    reqs = [build_req(eng.tokenizer, p, SamplingParams.from_dict(params)) for p in prompts]
+    for req in reqs:
+        sched.add_request(req)
+    aborted = None
+    while sched.has_work():
+        sched.step()
+        sched.kv.audit(sched.holders())
+        if aborted is None and sched.chunked_req is not None and sched.running:
+            aborted = sched.chunked_req
+            assert sched.abort(aborted.rid)
+    assert aborted is not None and sched.stats["retractions"] > 0
+    for req, want in zip(reqs, expected):
+        assert req.finished
+        if req is not aborted:
+            assert req.output_ids == want
+    assert sched.kv.audit([])["owned"] == 0
+    sched.flush_cache()
+    assert eng.model_runner.allocator.available_pages() == \
+        eng.model_runner.allocator.total_usable_pages
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(decode_chunked_prefill_size=8), "needs chunked prefill"),
+    (dict(chunked_prefill_size=16, decode_chunked_prefill_size=17), "1..chunked_prefill_size"),
+    (dict(chunked_prefill_size=16, decode_chunked_prefill_size=0), "1..chunked_prefill_size"),
+])
+def test_scheduler_config_refuses_bad_budgets(config, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**config)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(decode_chunked_prefill_size=0), "decode_chunked_prefill_size=0: a positive"),
+    (dict(decode_chunked_prefill_size=-5), "decode_chunked_prefill_size=-5: a positive"),
+    (dict(chunked_prefill_size=-1, decode_chunked_prefill_size=64), "needs chunked prefill"),
+    (dict(chunked_prefill_size=64, decode_chunked_prefill_size=65), "exceeds chunked_prefill"),
+])
+def test_server_args_refuse_bad_budgets(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_server_args_resolve_the_budget():
+    assert ServerArgs().resolved_decode_chunked_prefill_size == 128
+    assert ServerArgs(decode_chunked_prefill_size=-1).resolved_decode_chunked_prefill_size is None
+    assert ServerArgs(chunked_prefill_size=-1).resolved_decode_chunked_prefill_size is None
+    # The default never exceeds a smaller chunk.
+    assert ServerArgs(chunked_prefill_size=64).resolved_decode_chunked_prefill_size == 64
+    assert ServerArgs(decode_chunked_prefill_size=32).resolved_decode_chunked_prefill_size == 32
