@@ -94,6 +94,12 @@ def same_inputs(a: tuple, b: tuple) -> bool:
         for x, y in zip(a, b))
 
 
+# Inductor options of every decode graph. Replay hands a graph the tensors it was compiled on
+# (or, loaded from the store, views rebuilt with the stored shapes and strides), so the generated
+# wrapper's per-step layout checks of its inputs and of the custom ops' outputs (~640 Python
+# calls a step for the default model) check nothing replay could change.
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
 # The static batch's tensors with a batch dimension (besides the attention metadata).
 BATCH_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
 
@@ -191,17 +197,25 @@ class CPUGraphRunner(GraphRunner):
     def compile_step(self) -> Callable[[ForwardBatch], torch.Tensor]:
         """The decode step under torch.compile; every graph dynamo makes of it is recorded in
         `step_graphs` (compiled by inductor, or, when storing, compiled after its first call)."""
+        import torch._inductor.config as inductor_config
+
         backend = torch._dynamo.lookup_backend(self.backend_name)
 
         def recording_backend(gm, example_inputs):
             # Storing: dynamo's graph runs eager once, then is compiled on the real inputs.
-            graph = CompiledGraph(gm if self.store else backend(gm, example_inputs))
+            if self.store is not None:
+                graph = CompiledGraph(gm)
+            else:
+                with inductor_config.patch(INDUCTOR_OPTIONS):
+                    graph = CompiledGraph(backend(gm, example_inputs))
             graph.symbolic = has_symbolic_inputs(gm)
             self.step_graphs.append(graph)
             return graph
 
+        # dynamic=False: no automatic dynamic shapes (its per-code-object history is shared with
+        # every other runner of this process); only the batch dimension marked at capture is.
         return torch.compile(self.forward_static, backend=recording_backend, fullgraph=True,
-                             dynamic=None if self.dynamic_batch else False)
+                             dynamic=False)
 
     def compile_bucket(self, bs: int, fb: ForwardBatch) -> None:
         """Run bucket `bs` through dynamo: it compiles a graph for it or picks a shared one."""
@@ -243,7 +257,7 @@ class CPUGraphRunner(GraphRunner):
         # compiled for the sizes it was called with.
         shapes = "from_graph" if graph.symbolic else "from_example_inputs"
         graph.fn = standalone_compile(graph.fn, list(graph.args), dynamic_shapes=shapes,
-                                      options={})
+                                      options=dict(INDUCTOR_OPTIONS))
 
     def store_bucket(self, bs: int, graph: CompiledGraph) -> None:
         try:
