@@ -251,13 +251,15 @@ class CPUGraphRunner(GraphRunner):
     def compile_storable(graph: CompiledGraph) -> None:
         """Compile dynamo's graph with inductor into an artifact that can be saved; dynamo's
         entry for the graph calls it from now on (the recorder is what dynamo holds)."""
+        import torch._inductor.config as inductor_config
         from torch._inductor import standalone_compile
 
         # A graph with a symbolic batch size keeps dynamo's shape environment; a static one is
         # compiled for the sizes it was called with.
         shapes = "from_graph" if graph.symbolic else "from_example_inputs"
-        graph.fn = standalone_compile(graph.fn, list(graph.args), dynamic_shapes=shapes,
-                                      options=dict(INDUCTOR_OPTIONS))
+        with inductor_config.patch(INDUCTOR_OPTIONS):
+            graph.fn = standalone_compile(graph.fn, list(graph.args), dynamic_shapes=shapes,
+                                          options={})
 
     def store_bucket(self, bs: int, graph: CompiledGraph) -> None:
         try:
