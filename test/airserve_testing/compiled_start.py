@@ -2,7 +2,9 @@
 process: prints a JSON line with the runner's report and greedy tokens from the compiled
 runner and from an eager runner sharing its model.
 
-    python -m airserve_testing.compiled_start MODEL_DIR CACHE_DIR BUCKET [STEPS]
+    python -m airserve_testing.compiled_start MODEL_DIR CACHE_DIR BUCKETS [STEPS]
+
+BUCKETS: comma-separated batch sizes (e.g. 2,3).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
 
 
 def main() -> None:
-    model_dir, cache_dir, bucket = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, cache_dir = sys.argv[1], sys.argv[2]
+    buckets = tuple(int(b) for b in sys.argv[3].split(","))
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     torch.manual_seed(0)
-    graph = make_runner(model_dir, enable_torch_compile=True, cuda_graph_bs=(bucket,),
+    graph = make_runner(model_dir, enable_torch_compile=True, cuda_graph_bs=buckets,
                         compile_cache_dir=cache_dir)
     eager = make_runner(model_dir, runner_from=graph)
     prompt = random_prompts(graph.model_config.vocab_size, [9])[0]

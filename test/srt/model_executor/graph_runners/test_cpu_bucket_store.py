@@ -1,9 +1,9 @@
 """CPUGraphRunner's stored buckets (--compile-cache-dir): a restart loads, never recompiles.
 
-Each start runs in a fresh process (airserve_testing.compiled_start: one bucket of a tiny llama,
-greedy tokens from the compiled runner and from eager on the same model). Loaded vs compiled is
-read from the runner's own report, not from timing. Two compiles in all: the cold start and the
-rebuild of a corrupted bucket.
+Each start runs in a fresh process (airserve_testing.compiled_start: two buckets of a tiny llama
+sharing one compiled graph, greedy tokens from the compiled runner and from eager on the same
+model). Loaded vs compiled is read from the runner's own report, not from timing. Two compiles
+in all: the cold start and the rebuild of a corrupted graph.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from airserve.srt.model_executor.graph_runners.config import RunnerConfig
 from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
 from airserve.srt.server_args import ServerArgs
 
-BUCKET = 2
+BUCKETS = (2, 3)  # one graph, batch dimension dynamic
+BUCKET = BUCKETS[0]
 
 
 def start(model_dir: str, cache_dir: str) -> dict:
@@ -34,8 +35,9 @@ def start(model_dir: str, cache_dir: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(root), "python"), root,
                                          env.get("PYTHONPATH", "")])
+    buckets = ",".join(map(str, BUCKETS))
     out = subprocess.run([sys.executable, "-m", "airserve_testing.compiled_start", model_dir,
-                          cache_dir, str(BUCKET)], capture_output=True, text=True, env=env,
+                          cache_dir, buckets], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -51,37 +53,50 @@ def starts(tiny_llama_dir, tmp_path_factory):
 
 def test_warm_start_loads_and_matches_cold_and_eager(starts):
     _, cold, warm = starts
-    assert cold["report"]["buckets_compiled"] == [BUCKET]
+    assert cold["report"]["buckets_compiled"] == list(BUCKETS)
+    assert cold["report"]["graphs_compiled"] == 1  # the buckets share one graph
     assert cold["report"]["buckets_loaded"] == []
     assert "unstored_buckets" not in cold["report"]
-    assert warm["report"]["buckets_loaded"] == [BUCKET]
+    graphs = [f for f in os.listdir(cold["store_dir"]) if f.endswith(".bin")]
+    assert len(graphs) == 1  # stored once
+    assert warm["report"]["buckets_loaded"] == list(BUCKETS)
+    assert warm["report"]["graphs_loaded"] == 1
     assert warm["report"]["buckets_compiled"] == []  # no dynamo trace, no inductor compile
+    assert warm["report"]["graphs_compiled"] == 0
     assert "stale_buckets" not in warm["report"]
-    assert warm["report"]["direct_replay_buckets"] == [BUCKET]
+    assert warm["report"]["direct_replay_buckets"] == list(BUCKETS)
     assert warm["replays"] == cold["replays"] > 0  # the decode steps ran in the graph
     assert warm["graph"] == cold["graph"] == cold["eager"] == warm["eager"]
 
 
 def test_corrupted_bucket_is_detected_and_rebuilt(starts, tiny_llama_dir):
     cache, _, warm = starts
-    artifact = os.path.join(warm["store_dir"], f"bs{BUCKET}.bin")
+    with open(os.path.join(warm["store_dir"], f"bs{BUCKET}.json")) as f:
+        artifact = os.path.join(warm["store_dir"], json.load(f)["artifact"])
     with open(artifact, "r+b") as f:  # one flipped byte in the middle
         f.seek(os.path.getsize(artifact) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     rebuilt = start(tiny_llama_dir, cache)
-    assert "checksum" in rebuilt["report"]["stale_buckets"][str(BUCKET)]
-    assert rebuilt["report"]["buckets_compiled"] == [BUCKET]
+    report = rebuilt["report"]
+    # The largest bucket is captured first: it finds the corrupted graph and compiles it again.
+    assert "checksum" in report["stale_buckets"][str(BUCKETS[-1])]
+    assert report["graphs_compiled"] == 1
+    assert BUCKETS[-1] in report["buckets_compiled"]
+    assert sorted(report["buckets_compiled"] + report["buckets_loaded"]) == list(BUCKETS)
     assert rebuilt["graph"] == rebuilt["eager"] == warm["graph"]
-    with open(os.path.join(warm["store_dir"], f"bs{BUCKET}.json")) as f:
-        assert json.load(f)["sha256"] == file_sha256(artifact)  # stored again, intact
+    for bs in BUCKETS:  # stored again, intact
+        with open(os.path.join(warm["store_dir"], f"bs{bs}.json")) as f:
+            manifest = json.load(f)
+        stored = os.path.join(warm["store_dir"], manifest["artifact"])
+        assert manifest["sha256"] == file_sha256(stored)
 
 
 def store_dir(model_dir: str, cache: str, **flags) -> str:
     """Where a runner started as compiled_start starts it, with `flags` changed, keeps its
     buckets (nothing compiles)."""
-    flags = {"cuda_graph_bs": (BUCKET,), **flags}
+    flags = {"cuda_graph_bs": BUCKETS, **flags}
     args = ServerArgs(model_path=model_dir, max_total_tokens=2048, max_running_requests=8,
                       enable_torch_compile=True, compile_cache_dir=cache, **flags)
     return CPUGraphRunner.open_store(RunnerConfig.from_server_args(args), 0, 8).dir
@@ -92,7 +107,7 @@ def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_q
     assert store_dir(tiny_llama_dir, cache) == warm["store_dir"]  # same flags: same store
     assert store_dir(tiny_llama_dir, cache, page_size=16) != warm["store_dir"]
     assert store_dir(tiny_llama_dir, cache, num_threads=1) != warm["store_dir"]
-    assert store_dir(tiny_llama_dir, cache, cuda_graph_bs=(1, BUCKET)) != warm["store_dir"]
+    assert store_dir(tiny_llama_dir, cache, cuda_graph_bs=(1, *BUCKETS)) != warm["store_dir"]
     assert store_dir(tiny_llama_dir, cache, context_length=256) != warm["store_dir"]
     assert store_dir(tiny_qwen2_dir, cache) != warm["store_dir"]
     # The same path with a rewritten weight file (new mtime) is another model.
@@ -133,13 +148,14 @@ def test_other_weight_handles_make_the_bucket_stale(tmp_path):
     index = TensorIndex({"model": layer})
     assert index.handles == {"model..weight_onednn": layer.weight_onednn.handle}
     store = BucketStore(str(tmp_path), {"test": 1})
-    art_path, man_path = store.paths(1)
+    art_path = os.path.join(store.dir, "graph-x.bin")
     with open(art_path, "wb") as f:
         f.write(b"not an artifact")
 
     def manifest(handles: dict) -> None:
-        with open(man_path, "w") as f:
-            json.dump({"inputs": [], "handles": handles, "sha256": file_sha256(art_path)}, f)
+        with open(store.manifest_path(1), "w") as f:
+            json.dump({"artifact": "graph-x.bin", "inputs": [], "handles": handles,
+                       "sha256": file_sha256(art_path)}, f)
 
     manifest({"model..weight_onednn": layer.weight_onednn.handle + 1})
     with pytest.raises(StaleBucket, match="weight handles differ"):

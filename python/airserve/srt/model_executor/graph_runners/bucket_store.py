@@ -1,14 +1,16 @@
 """Compiled decode buckets on disk, so a restart loads what an earlier start compiled.
 
-Layout: `<compile cache dir>/cpu-graphs/<key>/` holds `key.json` (what the key was made of) and
-per bucket `bs<N>.bin` (inductor's compiled artifact: the AOTAutograd and FX graph cache
-entries, loaded back without dynamo) and `bs<N>.json` (its manifest: the artifact's sha256 and
-where each graph input comes from). The key hashes everything that changes the traced graphs:
-the model files (size and mtime), the flags that change shapes or code paths, torch, the CPU's
-instruction sets and airserve's version. The graph's inputs are named (a weight's parameter
-name, a KV buffer, a static batch field) with the view taken of them, and rebuilt from the new
-process's tensors at load; a name, shape or layout that no longer matches, a checksum that
-fails or an artifact that does not load makes the bucket stale: the runner recompiles it.
+Layout: `<compile cache dir>/cpu-graphs/<key>/` holds `key.json` (what the key was made of),
+per compiled graph `graph-<sha256 prefix>.bin` (inductor's compiled artifact: the AOTAutograd
+and FX graph cache entries, loaded back without dynamo; one graph may serve several buckets)
+and per bucket `bs<N>.json` (its manifest: which artifact, its sha256, and where each graph
+input comes from, the batch size of a shared graph among them). The key hashes everything that
+changes the traced graphs: the model files (size and mtime), the flags that change shapes or
+code paths, torch, the CPU's instruction sets and airserve's version. The graph's inputs are
+named (a weight's parameter name, a KV buffer, a static batch field) with the view taken of
+them, and rebuilt from the new process's tensors at load; a name, shape or layout that no longer
+matches, a checksum that fails or an artifact that does not load makes the bucket stale: the
+runner recompiles it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import airserve
 from airserve.srt.hardware import host_cpu
 from airserve.srt.layers.linear import OPAQUE_WEIGHTS
 
-FORMAT = 3  # bump when the manifest's layout changes
+FORMAT = 4  # bump when the manifest's layout changes
 
 
 class StaleBucket(Exception):
@@ -139,33 +141,46 @@ class BucketStore:
         with open(os.path.join(self.dir, "key.json"), "w") as f:
             f.write(blob)
 
-    def paths(self, bs: int) -> tuple[str, str]:
-        return os.path.join(self.dir, f"bs{bs}.bin"), os.path.join(self.dir, f"bs{bs}.json")
+    def manifest_path(self, bs: int) -> str:
+        return os.path.join(self.dir, f"bs{bs}.json")
 
     def has(self, bs: int) -> bool:
-        return os.path.exists(self.paths(bs)[1])
+        return os.path.exists(self.manifest_path(bs))
 
-    def save(self, bs: int, artifact: object, args: tuple, index: TensorIndex) -> None:
-        """Write bucket `bs`: the artifact first, the manifest (which makes it visible) last.
-        Raises KeyError/RuntimeError when the graph cannot be stored."""
+    def save_artifact(self, artifact: object) -> str:
+        """Write a compiled graph; returns its file name (named by its checksum)."""
+        tmp = os.path.join(self.dir, f"graph.{os.getpid()}.tmp")
+        artifact.save(path=tmp, format="binary")
+        name = f"graph-{file_sha256(tmp)[:24]}.bin"
+        os.replace(tmp, os.path.join(self.dir, name))
+        return name
+
+    def save(self, bs: int, artifact_name: str, args: tuple, index: TensorIndex) -> None:
+        """Write bucket `bs`'s manifest (which makes it visible) for the stored graph
+        `artifact_name` called on `args`. Raises KeyError/RuntimeError when the graph's inputs
+        cannot be named."""
         specs = [index.describe(a) for a in args]
-        art_path, man_path = self.paths(bs)
-        artifact.save(path=art_path, format="binary")
-        manifest = {"inputs": specs, "handles": index.handles, "sha256": file_sha256(art_path)}
+        art_path = os.path.join(self.dir, artifact_name)
+        manifest = {"artifact": artifact_name, "inputs": specs, "handles": index.handles,
+                    "sha256": file_sha256(art_path)}
+        man_path = self.manifest_path(bs)
         tmp = f"{man_path}.{os.getpid()}.tmp"  # starts sharing the directory never collide
         with open(tmp, "w") as f:
             json.dump(manifest, f)
         os.replace(tmp, man_path)
 
-    def load(self, bs: int, index: TensorIndex) -> tuple[Callable, tuple]:
+    def load(self, bs: int, index: TensorIndex,
+             loaded: dict[str, Callable] | None = None) -> tuple[Callable, tuple]:
         """Bucket `bs`'s compiled graph and its inputs rebuilt from `index`; StaleBucket if the
-        stored bucket cannot be used."""
-        art_path, man_path = self.paths(bs)
+        stored bucket cannot be used. `loaded` holds the graphs loaded so far by file name
+        (buckets sharing a graph load it once)."""
+        loaded = {} if loaded is None else loaded
         try:
-            with open(man_path) as f:
+            with open(self.manifest_path(bs)) as f:
                 manifest = json.load(f)
-            specs = manifest["inputs"]
-            if file_sha256(art_path) != manifest["sha256"]:
+            specs, name = manifest["inputs"], manifest["artifact"]
+            art_path = os.path.join(self.dir, os.path.basename(name))
+            if name not in loaded and file_sha256(art_path) != manifest["sha256"]:
                 raise StaleBucket(f"{os.path.basename(art_path)} fails its checksum")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StaleBucket(f"unreadable manifest or artifact ({type(e).__name__}: {e})") from e
@@ -174,13 +189,14 @@ class BucketStore:
         if manifest.get("handles") != index.handles:
             raise StaleBucket("the layers' weight handles differ from the stored graph's")
         args = tuple(index.rebuild(s) for s in specs)
-        from torch._inductor import CompiledArtifact
+        if name not in loaded:
+            from torch._inductor import CompiledArtifact
 
-        try:
-            artifact = CompiledArtifact.load(path=art_path, format="binary")
-        except Exception as e:  # the checksum passed: another torch or a broken inductor cache
-            raise StaleBucket(f"artifact does not load ({type(e).__name__}: {e})") from e
-        return artifact, args
+            try:
+                loaded[name] = CompiledArtifact.load(path=art_path, format="binary")
+            except Exception as e:  # the checksum passed: another torch or a broken cache
+                raise StaleBucket(f"artifact does not load ({type(e).__name__}: {e})") from e
+        return loaded[name], args
 
 
 def file_sha256(path: str) -> str:

@@ -1,25 +1,30 @@
-"""CPU decode graphs: one `torch.compile`d (inductor) decode graph per bucket, replayed without
-dynamo.
+"""CPU decode graphs: `torch.compile`d (inductor) decode graphs shared by the buckets, replayed
+without dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
-denser schedule: every bucket is a separate inductor compile, and a padded row costs far less
-than a compile. `--cuda-graph-bs` still picks any sizes. With `--compile-cache-dir` every
-compiled bucket is stored (bucket_store.py) and a restart with the same model and flags loads it
-without dynamo or inductor's compile; a stale stored bucket is logged, counted in the report
-(`stale_buckets`) and compiled again.
+denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets above 1 are compiled with the
+batch dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes
+the same code path: with packed GGUF weights that is one graph for the buckets up to
+`--packed-decode-max-bs` and one above it, plus bs 1, which dynamo always specializes. A new
+graph is compiled only when dynamo's guards (a size branch in the model) ask for it; the report
+says how many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
+once (bucket_store.py) and a restart with the same model and flags loads it without dynamo or
+inductor's compile; a stale stored bucket is logged, counted in the report (`stale_buckets`)
+and compiled again.
 
-Replay calls each bucket's compiled graph directly with the tensors it was compiled on (the
-model's weights, the KV buffers and the bucket's static batch, all at fixed addresses), so no
-dynamo frame runs per step: no guard evaluation, no cache lookup, no input flattening (~1-2 ms
-a step on 2 cores). A loaded bucket replays directly from the start. The first replay of a
-compiled bucket still goes through dynamo and checks that
+Replay calls each bucket's compiled graph directly with the tensors (and the batch size) it was
+called with for that bucket (the model's weights, the KV buffers and the bucket's static batch,
+all at fixed addresses), so no dynamo frame runs per step: no guard evaluation, no cache
+lookup, no input flattening (~1-2 ms a step on 2 cores). A loaded bucket replays directly from
+the start. The first replay of a compiled bucket still goes through dynamo and checks that
 dynamo hands the graph those tensors (or views of the same memory, which the capture-time
 tensors keep alive); a bucket that fails the check keeps replaying through dynamo (guards
 skipped), logged and counted in the report (`dynamo_replays`).
 
-No recompiles after capture: every bucket has fixed shapes (`dynamic=False`), the KV buffers
-are marked static, and dynamo's recompile limit is raised to fit the buckets (the limit is
-shared by every wrapper of the model's `forward`; past it dynamo silently runs eager).
+No recompiles after capture: every bucket is compiled (or its shared graph found) at capture,
+the KV buffers are marked static, and dynamo's recompile limit is raised to fit the buckets
+(the limit is shared by every wrapper of the model's `forward`; past it dynamo silently runs
+eager).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class CompiledGraph:
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
+        self.symbolic = False  # traced with a symbolic batch size
         self.args: tuple = ()
         self.outputs: object = None
 
@@ -88,12 +94,41 @@ def same_inputs(a: tuple, b: tuple) -> bool:
         for x, y in zip(a, b))
 
 
+# Inductor options of every decode graph. Replay hands a graph the tensors it was compiled on
+# (or, loaded from the store, views rebuilt with the stored shapes and strides), so the generated
+# wrapper's per-step layout checks of its inputs and of the custom ops' outputs (~640 Python
+# calls a step for the default model) check nothing replay could change.
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+# The static batch's tensors with a batch dimension (besides the attention metadata).
+BATCH_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+
+
+def mark_batch_dynamic(fb: ForwardBatch) -> None:
+    """Ask dynamo to compile `fb`'s decode step for any batch size (dimension 0 symbolic)."""
+    tensors = [getattr(fb, name) for name in BATCH_FIELDS] + [fb.attn_metadata]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def has_symbolic_inputs(gm: torch.fx.GraphModule) -> bool:
+    """dynamo traced `gm` with a symbolic size among its inputs."""
+    return any(isinstance(n.meta.get("example_value"), torch.SymInt)
+               for n in gm.graph.nodes if n.op == "placeholder")
+
+
 class CPUGraphRunner(GraphRunner):
     compile_runner = True
     schedule = staticmethod(power_of_two_buckets)
+    # Buckets above 1 share compiled graphs (batch dimension dynamic); False compiles one graph
+    # per bucket with static shapes (benchmark/runners/replay_overhead.py compares the two).
+    dynamic_batch = True
 
     def __init__(self, model_runner) -> None:
         configure_compile_cache(model_runner.runner_config.compile_cache_dir)
+        self.step: Callable[[ForwardBatch], torch.Tensor] | None = None  # torch.compile'd
+        self.step_graphs: list[CompiledGraph] = []  # every graph dynamo compiled, in order
         self.compiled: dict[int, Callable[[ForwardBatch], torch.Tensor]] = {}
         self.graphs: dict[int, CompiledGraph] = {}
         self.capture_args: dict[int, tuple] = {}
@@ -104,8 +139,10 @@ class CPUGraphRunner(GraphRunner):
         # Buckets stored under --compile-cache-dir: loaded at start-up instead of compiled.
         self.store = self.open_store(model_runner.runner_config,
                                      getattr(model_runner.tp, "rank", 0),
-                                     model_runner.max_running_requests)
+                                     model_runner.max_running_requests, self.dynamic_batch)
         self.loaded: dict[int, float] = {}  # bucket -> seconds to load it
+        self.artifacts: dict[str, Callable] = {}  # stored graphs loaded, by file name
+        self.stored: dict[int, str] = {}  # id(compiled graph) -> its stored file name
         self.stale: dict[int, str] = {}  # bucket -> why its stored graph was not used
         self.unstored: dict[int, str] = {}  # bucket -> why its compiled graph was not stored
         for buf in model_runner.kv_cache.k_buffers + model_runner.kv_cache.v_buffers:
@@ -113,12 +150,13 @@ class CPUGraphRunner(GraphRunner):
         super().__init__(model_runner)
 
     @staticmethod
-    def open_store(config: RunnerConfig, tp_rank: int,
-                   max_running_requests: int) -> BucketStore | None:
+    def open_store(config: RunnerConfig, tp_rank: int, max_running_requests: int,
+                   dynamic_batch: bool = True) -> BucketStore | None:
         """The stored buckets of this model and these flags (None without a cache dir)."""
         if config.compile_cache_dir is None or config.compile_backend != "inductor":
             return None
-        extra = {"tp_rank": tp_rank, "max_running_requests": max_running_requests}
+        extra = {"tp_rank": tp_rank, "max_running_requests": max_running_requests,
+                 "dynamic_batch": dynamic_batch}
         return BucketStore(config.compile_cache_dir,
                            cache_key_parts(config.resolved_model_path, config.graph_flags, extra))
 
@@ -137,7 +175,7 @@ class CPUGraphRunner(GraphRunner):
         """Replay bucket `bs` from its stored graph; False (logged, counted) if it is stale."""
         start = time.perf_counter()
         try:
-            artifact, args = self.store.load(bs, self.tensor_index())
+            artifact, args = self.store.load(bs, self.tensor_index(), self.artifacts)
             # One step on the static batch, as a compile runs one. AOTAutograd's first-call
             # check of custom ops' aliasing ran on this graph's first call after it was compiled
             # (same ops, same graph); here it would trace every op through a dispatch mode.
@@ -156,46 +194,79 @@ class CPUGraphRunner(GraphRunner):
                     self.loaded[bs])
         return True
 
-    def compile_bucket(self, bs: int, fb: ForwardBatch) -> None:
-        start = time.perf_counter()
+    def compile_step(self) -> Callable[[ForwardBatch], torch.Tensor]:
+        """The decode step under torch.compile; every graph dynamo makes of it is recorded in
+        `step_graphs` (compiled by inductor, or, when storing, compiled after its first call)."""
+        import torch._inductor.config as inductor_config
+
         backend = torch._dynamo.lookup_backend(self.backend_name)
-        graphs: list[CompiledGraph] = []
 
         def recording_backend(gm, example_inputs):
             # Storing: dynamo's graph runs eager once, then is compiled on the real inputs.
-            graphs.append(CompiledGraph(gm if self.store else backend(gm, example_inputs)))
-            return graphs[-1]
+            if self.store is not None:
+                graph = CompiledGraph(gm)
+            else:
+                with inductor_config.patch(INDUCTOR_OPTIONS):
+                    graph = CompiledGraph(backend(gm, example_inputs))
+            graph.symbolic = has_symbolic_inputs(gm)
+            self.step_graphs.append(graph)
+            return graph
 
-        fn = torch.compile(self.forward_static, backend=recording_backend, fullgraph=True,
-                           dynamic=False)
-        fn(fb)  # compiles; the dummy-slot writes of the all-padding batch are harmless
-        if len(graphs) != 1:
-            raise RuntimeError(f"expected one compiled graph for the decode step, got "
-                               f"{len(graphs)}")
-        if self.store is not None:
-            self.compile_storable(graphs[0])
-        self.compiled[bs] = fn
-        self.graphs[bs] = graphs[0]
-        self.capture_args[bs] = graphs[0].args
+        # dynamic=False: no automatic dynamic shapes (its per-code-object history is shared with
+        # every other runner of this process); only the batch dimension marked at capture is.
+        return torch.compile(self.forward_static, backend=recording_backend, fullgraph=True,
+                             dynamic=False)
+
+    def compile_bucket(self, bs: int, fb: ForwardBatch) -> None:
+        """Run bucket `bs` through dynamo: it compiles a graph for it or picks a shared one."""
+        start = time.perf_counter()
+        if self.step is None:
+            self.step = self.compile_step()
+        if self.dynamic_batch and bs > 1:  # dynamo specializes size 1 anyway
+            mark_batch_dynamic(fb)
+        known = len(self.step_graphs)
+        for graph in self.step_graphs:
+            graph.outputs = None
+        self.step(fb)  # the dummy-slot writes of the all-padding batch are harmless
+        called = [g for g in self.step_graphs if g.outputs is not None]
+        if len(self.step_graphs) - known > 1 or len(called) != 1:
+            raise RuntimeError(f"expected one compiled graph to run the decode step, dynamo "
+                               f"made {len(self.step_graphs) - known} and called {len(called)}")
+        graph = called[0]
+        new = len(self.step_graphs) > known
+        if new and self.store is not None:
+            self.compile_storable(graph)
+        self.compiled[bs] = self.step
+        self.graphs[bs] = graph
+        self.capture_args[bs] = graph.args
         self.graphs_at_capture = dynamo_graph_count()
         compiled_s = time.perf_counter() - start
         if self.store is not None:
-            self.store_bucket(bs, graphs[0])
-        logger.info("CPUGraphRunner: bucket %d compiled in %.2fs%s", bs, compiled_s,
-                    "" if self.store is None or bs in self.unstored else ", stored")
+            self.store_bucket(bs, graph)
+        logger.info("CPUGraphRunner: bucket %d %s in %.2fs%s", bs,
+                    "compiled" if new else f"shares graph {self.step_graphs.index(graph)}",
+                    compiled_s, "" if self.store is None or bs in self.unstored else ", stored")
 
     @staticmethod
     def compile_storable(graph: CompiledGraph) -> None:
         """Compile dynamo's graph with inductor into an artifact that can be saved; dynamo's
-        entry for the bucket calls it from now on (the recorder is what dynamo holds)."""
+        entry for the graph calls it from now on (the recorder is what dynamo holds)."""
+        import torch._inductor.config as inductor_config
         from torch._inductor import standalone_compile
 
-        graph.fn = standalone_compile(graph.fn, list(graph.args),
-                                      dynamic_shapes="from_example_inputs", options={})
+        # A graph with a symbolic batch size keeps dynamo's shape environment; a static one is
+        # compiled for the sizes it was called with.
+        shapes = "from_graph" if graph.symbolic else "from_example_inputs"
+        with inductor_config.patch(INDUCTOR_OPTIONS):
+            graph.fn = standalone_compile(graph.fn, list(graph.args), dynamic_shapes=shapes,
+                                          options={})
 
     def store_bucket(self, bs: int, graph: CompiledGraph) -> None:
         try:
-            self.store.save(bs, graph.fn, graph.args, self.tensor_index())
+            name = self.stored.get(id(graph))
+            if name is None:
+                name = self.stored[id(graph)] = self.store.save_artifact(graph.fn)
+            self.store.save(bs, name, graph.args, self.tensor_index())
         except (KeyError, RuntimeError, OSError) as e:
             self.unstored[bs] = f"{type(e).__name__}: {e}"
             logger.warning("CPUGraphRunner: bucket %d not stored (compiled again at the next "
@@ -240,6 +311,8 @@ class CPUGraphRunner(GraphRunner):
         report["dynamo_replays"] = self.dynamo_replays
         report["buckets_loaded"] = sorted(self.loaded)
         report["buckets_compiled"] = sorted(self.graphs)
+        report["graphs_compiled"] = len(self.step_graphs)
+        report["graphs_loaded"] = len(self.artifacts)
         if self.stale:
             report["stale_buckets"] = dict(self.stale)
         if self.unstored:
