@@ -141,3 +141,20 @@ def test_flags_and_auto_resolution():
         ServerArgs(quantization="w8a8_int8_outliers", int8_outlier_channels=0)
     with pytest.raises(ValueError, match="--quantization w8a8_int8_outliers"):
         ServerArgs(dtype="float32", int8_outlier_channels=8)
+
+
+def test_full_range_activations_do_not_saturate():
+    """The outlier path's 8-bit activations with 7-bit weights: rows of the largest u8 values
+    against the largest weights, the worst case of AVX2's int16 pair sums, stay exact to the
+    quantization (a saturated sum would be off by far more)."""
+    k, n = 256, 32
+    w = torch.ones(n, k)
+    w[::2] = -1
+    layer = Linear(k, n, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    layer.set_large_path("w8a8_int8_outliers", outliers=torch.tensor([0]))
+    assert layer.weight_int8.weight_bits == 7
+    x = torch.ones(12, k)
+    x[::3] = -1
+    assert relative_error(layer(x), x.double() @ w.double().T) < 1e-2

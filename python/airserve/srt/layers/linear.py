@@ -125,8 +125,10 @@ class Linear(nn.Linear):
                              if path == "bfloat16" else None, persistent=False)
         if path == "w8a8_int8_outliers" and outliers is None:
             raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
-        self.weight_int8 = (pack_int8(self.float_weight(), outliers if path != "w8a8_int8"
-                                      else None) if path in INT8_PATHS else None)
+        outlier_path = path == "w8a8_int8_outliers"
+        self.weight_int8 = (pack_int8(self.float_weight(), outliers if outlier_path else None,
+                                      7 if outlier_path else 8)
+                            if path in INT8_PATHS else None)
         onednn = (path == "float32" and float32_impl == "onednn"
                   and self.float_source is not None)
         if onednn and self.weight_onednn is None:

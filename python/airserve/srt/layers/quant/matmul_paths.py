@@ -16,7 +16,9 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              channels, found at load by a calibration prefill: quant.int8_calibration) left out
              of the int8 product and multiplied in float32 beside it (LLM.int8()'s
              decomposition, with the channels chosen once instead of per batch), so the
-             per-token int8 step is sized by the ordinary channels.
+             per-token int8 step is sized by the ordinary channels; and 8-bit activations
+             with 7-bit weights (fbgemm without reduce_range), which measured closer to
+             float32 than w8a8_int8's 7-bit activations with 8-bit weights.
 
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).
@@ -140,6 +142,7 @@ class Int8Weight:
     handle: int = -1
     outliers: torch.Tensor | None = None  # int64 [k], sorted input channels
     outlier_weight: torch.Tensor | None = None  # float32 [k, N]
+    weight_bits: int = 8  # 8: 7-bit activations; 7: 8-bit activations (see pack_int8)
 
 
 # The packed int8 weights by the handle each layer passes to airserve::w8a8_linear (the
@@ -166,8 +169,10 @@ def _w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     pin = x.new_zeros(1, x.shape[1])
     pin[0, :2] = torch.tensor([1.0, -1.0])
     torch.backends.quantized.engine = "fbgemm"
-    # reduce_range: 7-bit activations, so AVX2's u8 x s8 pair sums cannot saturate int16.
-    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]), weight.packed, True)
+    # AVX2 sums pairs of u8 x s8 products in int16: 7-bit activations (reduce_range) with
+    # 8-bit weights, or 8-bit activations with 7-bit weights, cannot saturate it.
+    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]), weight.packed,
+                                             weight.weight_bits == 8)
     out = out[:-1] * amax
     if weight.outliers is not None:
         out.addmm_(x_out, weight.outlier_weight)
@@ -179,9 +184,11 @@ def _w8a8_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _INT8_WEIGHTS[handle].out_features)
 
 
-def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None) -> Int8Weight:
-    """Quantize a float [N, K] weight to int8 per output channel (symmetric, scale max|w|/127)
-    and pack it for fbgemm; the caller keeps the result, `w8a8_linear` takes its handle.
+def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None,
+              weight_bits: int = 8) -> Int8Weight:
+    """Quantize a float [N, K] weight to int8 per output channel (symmetric, scale
+    max|w|/127; `weight_bits` 7: max|w|/63, and the products then take 8-bit activations) and
+    pack it for fbgemm; the caller keeps the result, `w8a8_linear` takes its handle.
     `outliers` (input channels) stay float32: their columns are zero in the int8 weight."""
     if not int8_available():
         raise RuntimeError("torch has no fbgemm engine here: w8a8_int8 is unavailable")
@@ -193,8 +200,11 @@ def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None) -> Int
             raise ValueError(f"outlier channels {outliers.tolist()} outside 0..{w.shape[1] - 1}")
         outlier_weight = w[:, outliers].T.contiguous()
         w = w.index_fill(1, outliers, 0.0)
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    if weight_bits not in (7, 8):
+        raise ValueError(f"weight_bits={weight_bits}: 7 or 8")
+    top = 2 ** (weight_bits - 1) - 1
+    scale = (w.abs().amax(1) / top).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-top, top).to(torch.int8)
     with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm packs from one
         warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
         qw = torch._make_per_channel_quantized_tensor(
@@ -205,7 +215,7 @@ def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None) -> Int
     if outlier_weight is not None:
         nbytes += outlier_weight.numel() * 4 + outliers.numel() * 8
     weight_int8 = Int8Weight(packed, w.shape[0], nbytes, next(_handles), outliers,
-                             outlier_weight)
+                             outlier_weight, weight_bits)
     _INT8_WEIGHTS[weight_int8.handle] = weight_int8
     return weight_int8
 
