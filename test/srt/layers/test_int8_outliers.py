@@ -158,3 +158,24 @@ def test_full_range_activations_do_not_saturate():
     x = torch.ones(12, k)
     x[::3] = -1
     assert relative_error(layer(x), x.double() @ w.double().T) < 1e-2
+
+
+def test_graph_bucket_matches_eager_on_the_outlier_path(tmp_path):
+    """A CPU graph runner bucket above the packed limit captures the outlier path (the opaque
+    airserve::w8a8_linear, outlier channels inside) and matches eager on the same path."""
+    from airserve_testing import random_prompts, run_side_by_side, tiny_gguf_runners
+
+    graph, eager, _ = tiny_gguf_runners(str(tmp_path), (4,), 2, reference=dict(dtype="float32"),
+                                        quantization="w8a8_int8_outliers",
+                                        int8_outlier_channels=2)
+    layers = [m for m in graph.model.modules() if isinstance(m, Linear)]
+    assert all(m.path_for(4) == "w8a8_int8_outliers" for m in layers)
+    assert graph.kernels_report()["matmul_paths"][-1]["int8_outlier_channels"] == 2
+    replays = graph.graph_runner.replay_count
+    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12])
+    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=4)
+    assert graph.graph_runner.replay_count == replays + 4
+    torch.testing.assert_close(lg, le, atol=1e-4, rtol=0)
+    assert torch.equal(tg, te)
+    for r in reqs:
+        r.release()
