@@ -59,8 +59,9 @@ FIDELITY = {
     "float32": {"passed": True},  # the reference (exact)
     "bfloat16": {"passed": True, "top1_agreement": 0.9859, "ppl_change": 0.0033},
     "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
-    # 8 outlier channels per layer: 0.9111 / +2.21%; 16 (the default): see the README.
-    "w8a8_int8_outliers": {"passed": False, "top1_agreement": 0.9111, "ppl_change": 0.0221},
+    # 16 outlier channels per layer (the default), 8-bit activations, 7-bit weights; other
+    # variants (more channels, lm_head float32, SmoothQuant scales) in the README: none passed.
+    "w8a8_int8_outliers": {"passed": False, "top1_agreement": 0.9523, "ppl_change": 0.0068},
 }
 
 
