@@ -20,6 +20,8 @@ so a busy machine slows all alike), medians reported:
   onednn_int8    the same op with the onednn engine
   w8a8_int8      airserve's --quantization w8a8_int8 (fbgemm_int8 with per-token activation
                  scales: Linear.set_large_path)
+  w8a8_int8_outliers  airserve's --quantization w8a8_int8_outliers: w8a8_int8 with 16 input
+                 channels (evenly spaced here; calibrated in the server) multiplied in float32
   torchao_int8   torchao Int8DynamicActivationInt8WeightConfig (per-token int8), eager
   block_int8     airserve's block kernels, int8 activations per block of 32, 16 rows a call
   block_f32      airserve's block kernels, float32 activations, 16 rows a call
@@ -48,7 +50,8 @@ SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 30
           (576, 49152))
 LM_HEAD_MAX_ROWS = 256
 CANDIDATES = ("f32", "f32_onednn", "bf16", "f32_bf16w", "fp16w", "int8pack", "fbgemm_int8",
-              "onednn_int8", "w8a8_int8", "torchao_int8", "block_int8", "block_f32")
+              "onednn_int8", "w8a8_int8", "w8a8_int8_outliers", "torchao_int8", "block_int8",
+              "block_f32")
 
 
 def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +102,14 @@ def _torchao_linear(w: torch.Tensor) -> Callable | None:
 
 def _airserve_path(w: torch.Tensor, path: str, float32_impl: str = "sgemm") -> Callable:
     from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant.matmul_paths import DEFAULT_OUTLIER_CHANNELS
 
     layer = Linear(w.shape[1], w.shape[0], bias=False)
     layer.weight.data = w.clone()
-    layer.set_large_path(path, float32_impl=float32_impl)
+    k = w.shape[1]
+    outliers = (torch.arange(DEFAULT_OUTLIER_CHANNELS) * (k // DEFAULT_OUTLIER_CHANNELS)
+                if path == "w8a8_int8_outliers" else None)
+    layer.set_large_path(path, float32_impl=float32_impl, outliers=outliers)
     return layer
 
 
@@ -143,6 +150,8 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
         "fbgemm_int8": _quantized_linear(w, "fbgemm"),
         "onednn_int8": _quantized_linear(w, "onednn"),
         "w8a8_int8": _airserve_path(w, "w8a8_int8") if "w8a8_int8" in names else None,
+        "w8a8_int8_outliers": (_airserve_path(w, "w8a8_int8_outliers")
+                               if "w8a8_int8_outliers" in names else None),
         "torchao_int8": _torchao_linear(w) if "torchao_int8" in names else None,
         "block_int8": _blocks(packed, "int8"),
         "block_f32": _blocks(packed, "float32"),

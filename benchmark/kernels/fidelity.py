@@ -3,7 +3,7 @@
 Two checks, both teacher-forced over ~2,000 tokens of the packaged text, both passing at top-1
 agreement >= 98% and perplexity within 1% of float32:
 
-- `--paths bfloat16 w8a8_int8`: the matmul paths of prefill and large batches
+- `--paths bfloat16 w8a8_int8 w8a8_int8_outliers`: the matmul paths of prefill and large batches
   (layers/quant/matmul_paths.py). The text is split into sequences of `--seq-len` tokens, each
   prefilled in one forward pass with every position's logits, so every linear layer (lm_head
   too) multiplies through the path; compared with the float32 path on the same model.
@@ -17,7 +17,8 @@ with the float32-activation run on the same weights, and both perplexities.
 Pass: agreement >= 98% and perplexity within 1%.
 
     python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
-    python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 [--seq-len 250] [--json F]
+    python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 w8a8_int8_outliers \
+        [--seq-len 250] [--int8-outlier-channels N] [--json F]
 """
 
 from __future__ import annotations
@@ -208,15 +209,21 @@ def make_path_runner(model_path: str | None, n_seqs: int, seq_len: int):
     return ModelRunner(args, model_config=cfg, model=model)
 
 
-def compare_paths(runner, seqs: list[list[int]], paths: list[str]) -> list[dict]:
-    """Each of `paths` against the float32 path on `runner`'s model (left on float32)."""
+def compare_paths(runner, seqs: list[list[int]], paths: list[str], tokenizer=None,
+                  outlier_channels: int | None = None) -> list[dict]:
+    """Each of `paths` against the float32 path on `runner`'s model (left on float32).
+    w8a8_int8_outliers calibrates its outlier channels with `tokenizer` first (the loader's
+    calibration text, not the scored one)."""
+    from airserve.srt.layers.quant.int8_calibration import find_outliers
     from airserve.srt.model_loader.loader import set_large_path
 
     ref = teacher_forced_prefill(runner, seqs)
     rows = []
     for path in paths:
         t0 = time.perf_counter()
-        set_large_path(runner.model, path)
+        outliers = (find_outliers(runner.model, tokenizer, outlier_channels)
+                    if path == "w8a8_int8_outliers" else None)
+        set_large_path(runner.model, path, outliers=outliers)
         row = {"path": path, **compare(ref, teacher_forced_prefill(runner, seqs)),
                "weight_mib": weight_mib(runner.model), "seconds": time.perf_counter() - t0}
         rows.append(row)
@@ -226,26 +233,30 @@ def compare_paths(runner, seqs: list[list[int]], paths: list[str]) -> list[dict]
     return rows
 
 
-def check_paths(paths: list[str], n_tokens: int, seq_len: int) -> dict:
+def check_paths(paths: list[str], n_tokens: int, seq_len: int,
+                outlier_channels: int | None = None) -> dict:
     """The matmul paths' check on the default model over `n_tokens` of the packaged text."""
     from airserve.srt.model_loader.loader import default_model_path
     from airserve.srt.tokenizer import get_tokenizer
 
-    tokens = list(get_tokenizer(default_model_path()).encode(packaged_text()))[:n_tokens]
+    tokenizer = get_tokenizer(default_model_path())
+    tokens = list(tokenizer.encode(packaged_text()))[:n_tokens]
     if len(tokens) < n_tokens:
         raise ValueError(f"the packaged text has only {len(tokens)} tokens")
     seqs = split(tokens, max(1, n_tokens // seq_len))
-    rows = compare_paths(make_path_runner(None, len(seqs), len(seqs[0])), seqs, paths)
+    rows = compare_paths(make_path_runner(None, len(seqs), len(seqs[0])), seqs, paths,
+                         tokenizer, outlier_channels)
     return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "passed": {r["path"]: r["passed"] for r in rows}}
 
 
 def print_path_table(report: dict) -> None:
-    print(f"{'path':10} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7}  pass")
+    print(f"{'path':18} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7} "
+          f"{'seconds':>7}  pass")
     for r in report["rows"]:
-        print(f"{r['path']:10} {r['tokens']:6d} {r['ppl_float32']:8.3f} {r['ppl']:8.3f} "
-              f"{r['ppl_change']:7.2%} {r['top1_agreement']:7.2%}  "
+        print(f"{r['path']:18} {r['tokens']:6d} {r['ppl_float32']:8.3f} {r['ppl']:8.3f} "
+              f"{r['ppl_change']:7.2%} {r['top1_agreement']:7.2%} {r['seconds']:7.0f}  "
               f"{'yes' if r['passed'] else 'NO'}")
 
 
@@ -269,14 +280,18 @@ def main() -> None:
                    help="int8 on every instruction set this CPU has, not only the best")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--paths", nargs="+", default=None, choices=("bfloat16", "w8a8_int8"),
+    p.add_argument("--paths", nargs="+", default=None,
+                   choices=("bfloat16", "w8a8_int8", "w8a8_int8_outliers"),
                    help="check these prefill / large-batch matmul paths instead")
+    p.add_argument("--int8-outlier-channels", type=int, default=None,
+                   help="w8a8_int8_outliers: float32 input channels per layer (default: the "
+                        "server's)")
     p.add_argument("--seq-len", type=int, default=250, help="tokens per sequence (--paths)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.paths:
-        report = check_paths(a.paths, a.tokens, a.seq_len)
+        report = check_paths(a.paths, a.tokens, a.seq_len, a.int8_outlier_channels)
         print_path_table(report)
         _write(a.json, report)
         raise SystemExit(0 if all(report["passed"].values()) else 1)

@@ -6,7 +6,7 @@ one after another (never two at once on the same cores), with the same thread co
 
 - `airserve:<mode>`: the offline Engine (`eager`, `compile` = CPU graph runner, `openvino`);
   `airserve:<mode>+<path>` sets the matmul path of prefill and large batches (`float32`,
-  `bfloat16`, `w8a8_int8`; without it, `auto` for this CPU);
+  `bfloat16`, `w8a8_int8`, `w8a8_int8_outliers`; without it, `auto` for this CPU);
 - `served:<mode>`: `launch_server` in that mode, all requests posted to /generate at once;
 - `ov-genai:<fp32|int8>`: OpenVINO GenAI's ContinuousBatchingPipeline on the default model
   exported to IR (`bash scripts/setup_ov_genai.sh` makes the venv and the export; pass its python
@@ -50,6 +50,7 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "w8a8_int8": {"quantization": "w8a8_int8"},
+    "w8a8_int8_outliers": {"quantization": "w8a8_int8_outliers"},
     # Not matmul paths: the activations of the packed decode products (default "auto").
     "act-float32": {"cpu_decode_activations": "float32"},
     "act-int8": {"cpu_decode_activations": "int8"},

@@ -19,7 +19,10 @@ from airserve.srt.model_executor.graph_runners.registry import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("w8a8_int8",)
+# cpu: w8a8_int8 (SGLang's name: int8 weights, dynamic per-token int8 activations) and
+# w8a8_int8_outliers (the same, each layer's outlier input channels multiplied in float32):
+# layers/quant/matmul_paths.py. Kept equal to matmul_paths.QUANTIZATIONS (a test checks).
+QUANTIZATIONS = ("w8a8_int8", "w8a8_int8_outliers")
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -55,7 +58,9 @@ class ServerArgs:
     # and quantization choose how linear layers multiply prefill and batches above
     # --packed-decode-max-bs (`resolved_large_path`; layers/quant/matmul_paths.py).
     dtype: str = "auto"
-    quantization: str | None = None  # None or "w8a8_int8" (SGLang's name; cpu)
+    quantization: str | None = None  # None or one of QUANTIZATIONS (cpu)
+    # w8a8_int8_outliers: input channels per layer kept in float32 (None: the default, 16).
+    int8_outlier_channels: int | None = None
     context_length: int | None = None
     device: str = "cpu"
     random_seed: int = 0
@@ -273,6 +278,14 @@ class ServerArgs:
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(f"--quantization {self.quantization} is implemented on cpu only; "
                              f"drop it for --device {self.device}")
+        if self.int8_outlier_channels is not None:
+            if self.int8_outlier_channels < 1:
+                raise ValueError(f"int8_outlier_channels={self.int8_outlier_channels}: must be "
+                                 ">= 1")
+            if self.resolved_large_path != "w8a8_int8_outliers":
+                raise ValueError("--int8-outlier-channels applies to the w8a8_int8_outliers "
+                                 "path only; add --quantization w8a8_int8_outliers (this "
+                                 f"configuration uses {self.resolved_large_path})")
         _ = self.resolved_large_path  # a ValueError naming the fix on a CPU that lacks it
         _ = self.resolved_float32_matmul
 
@@ -401,7 +414,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "fidelity check); activations and KV stay float32")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
-                        "and batches above --packed-decode-max-bs")
+                        "and batches above --packed-decode-max-bs; w8a8_int8_outliers: the same "
+                        "with each layer's outlier input channels in float32 (found at load)")
+    g.add_argument("--int8-outlier-channels", type=int, default=d.int8_outlier_channels,
+                   help="w8a8_int8_outliers: input channels per layer multiplied in float32 "
+                        "(default 16)")
     g.add_argument("--context-length", type=int, default=d.context_length)
     g.add_argument("--device", choices=DEVICES, default=d.device)
     g.add_argument("--random-seed", type=int, default=d.random_seed)

@@ -102,4 +102,9 @@ def test_matmul_path_flags(capsys):
         args = parse_args(["--quantization", "w8a8_int8"])
         assert (args.quantization, args.resolved_large_path) == ("w8a8_int8", "w8a8_int8")
     assert parse_args(["--dtype", "float32"]).resolved_large_path == "float32"
+    if int8_available():
+        args = parse_args(["--quantization", "w8a8_int8_outliers",
+                           "--int8-outlier-channels", "8"])
+        assert (args.resolved_large_path, args.int8_outlier_channels) == (
+            "w8a8_int8_outliers", 8)
     assert "--quantization" in refused(["--quantization", "fp8"], capsys)

@@ -1,6 +1,7 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
-use (`quant.matmul_paths`: float32, bfloat16 or w8a8_int8; float32 by oneDNN over a reordered
+use (`quant.matmul_paths`: float32, bfloat16, w8a8_int8 or w8a8_int8_outliers; float32 by
+oneDNN over a reordered
 weight or by sgemm over the plain one). `Linear.path_for(rows)` is the one place that decides
 which product an input of `rows` rows takes."""
 
@@ -22,6 +23,7 @@ from airserve.srt.layers.quant.block_matvec import (
 )
 from airserve.srt.layers.quant.matmul_paths import (
     FLOAT32_IMPLS,
+    INT8_PATHS,
     PATHS,
     Float32Weight,
     Int8Weight,
@@ -101,7 +103,8 @@ class Linear(nn.Linear):
         return tuple(getattr(self, _buffer(field, i)) for field in ("qs", "d", "m"))
 
     def set_large_path(self, path: str, keep_float: bool = False,
-                       float32_impl: str = "sgemm") -> None:
+                       float32_impl: str = "sgemm",
+                       outliers: torch.Tensor | None = None) -> None:
         """Make inputs above the packed limit multiply through `path` (matmul_paths.PATHS),
         building its weight form from the float32 weight (or the blocks). The float32 weight is
         freed unless the path is float32 or `keep_float` (a weight shared with an embedding).
@@ -110,7 +113,8 @@ class Linear(nn.Linear):
         the reordered copy costs one more weight, ~113 MiB on the default model, and buys its
         widest product: 64 x 576 x 49152 ran 59 ms by sgemm, 33 ms by oneDNN on a 2-core AMD
         EPYC, AVX2); a layer without a float weight (blocks only: they dequantize per chunk)
-        stays on sgemm."""
+        stays on sgemm. w8a8_int8_outliers keeps the input channels `outliers` (from a
+        calibration pass: quant.int8_calibration) in float32 beside the int8 product."""
         if path not in PATHS:
             raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
         if float32_impl not in FLOAT32_IMPLS:
@@ -120,7 +124,12 @@ class Linear(nn.Linear):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
         self.register_buffer("weight_bf16", self.float_weight().bfloat16()
                              if path == "bfloat16" else None, persistent=False)
-        self.weight_int8 = pack_int8(self.float_weight()) if path == "w8a8_int8" else None
+        if path == "w8a8_int8_outliers" and outliers is None:
+            raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
+        outlier_path = path == "w8a8_int8_outliers"
+        self.weight_int8 = (pack_int8(self.float_weight(), outliers if outlier_path else None,
+                                      7 if outlier_path else 8)
+                            if path in INT8_PATHS else None)
         onednn = (path == "float32" and float32_impl == "onednn"
                   and self.float_source is not None)
         if onednn and self.weight_onednn is None:
@@ -167,7 +176,7 @@ class Linear(nn.Linear):
             return sum(p.nbytes for p in self.packed_parts)
         if path == "bfloat16":
             return self.weight_bf16.numel() * 2
-        if path == "w8a8_int8":
+        if path in INT8_PATHS:
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
 
@@ -184,7 +193,7 @@ class Linear(nn.Linear):
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         elif path == "bfloat16":
             out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
-        elif path == "w8a8_int8":
+        elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif self.weight_onednn is not None:
             out = onednn_linear(x.contiguous(), self.weight_onednn.handle)
@@ -270,4 +279,8 @@ def matmul_path_report(layers: list[Linear]) -> list[dict]:
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
         ranges[-1]["float32_impl"] = dict(sorted(impls.items()))
+    if "w8a8_int8_outliers" in large:  # input channels per layer multiplied in float32
+        counts = sorted({m.weight_int8.outliers.numel() for m in layers
+                         if m.large_path == "w8a8_int8_outliers"})
+        ranges[-1]["int8_outlier_channels"] = counts[0] if len(counts) == 1 else counts
     return ranges

@@ -73,7 +73,8 @@ class ModelRunner:
                                              args.openvino_packed_weights,
                                              args.cpu_decode_activations, tp=self.tp,
                                              large_path=args.resolved_large_path,
-                                             float32_matmul=args.resolved_float32_matmul)
+                                             float32_matmul=args.resolved_float32_matmul,
+                                             int8_outlier_channels=args.int8_outlier_channels)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype

@@ -99,6 +99,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
                tp: TPGroup = SINGLE,
                large_path: str = "float32",
                float32_matmul: str = "sgemm",
+               int8_outlier_channels: int | None = None,
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model (this rank's shard of it under tensor parallelism) and load its weights.
     A GGUF's block-quantized linear weights are also kept as blocks (cpu only) when
@@ -117,7 +118,9 @@ def load_model(model_path: str | None, dtype: str, device: str,
     built from the blocks: those layers never load a float32 copy. With the float32 path,
     `float32_matmul` "onednn" reorders each float32 weight for oneDNN in place of the plain one
     (matmul_paths.FLOAT32_IMPLS; beside it for a tied lm_head, whose plain weight the
-    embedding reads)."""
+    embedding reads). w8a8_int8_outliers first finds each layer's `int8_outlier_channels`
+    (None: matmul_paths.DEFAULT_OUTLIER_CHANNELS) outlier input channels by a calibration
+    prefill (quant.int8_calibration)."""
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -149,7 +152,13 @@ def load_model(model_path: str | None, dtype: str, device: str,
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
     if large_path != "float32" or float32_matmul != "sgemm":
-        set_large_path(model, large_path, float32_matmul)
+        outliers = None
+        if large_path == "w8a8_int8_outliers":
+            from airserve.srt.layers.quant.int8_calibration import find_outliers
+            from airserve.srt.tokenizer import get_tokenizer
+
+            outliers = find_outliers(model, get_tokenizer(path), int8_outlier_channels)
+        set_large_path(model, large_path, float32_matmul, outliers)
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device,
                 f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
@@ -189,19 +198,22 @@ def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
     return dropped
 
 
-def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm") -> int:
+def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm",
+                   outliers: dict[str, torch.Tensor] | None = None) -> int:
     """Give every linear layer the weight form of `path` (float32: by `float32_impl`) for
     inputs above the packed limit; a weight shared with an embedding (tied lm_head) stays for
-    the lookups. Returns how many layers changed."""
+    the lookups. `outliers`: each layer's float32 input channels by module name
+    (w8a8_int8_outliers). Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding
     from airserve.srt.layers.linear import Linear
 
     embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    for name, layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
-        layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl)
+        layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
+                             outliers=(outliers or {}).get(name))
     logger.info("linear layers multiply inputs above the packed limit through %s%s", path,
                 f" ({float32_impl})" if path == "float32" else "")
     return len(layers)

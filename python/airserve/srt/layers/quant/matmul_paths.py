@@ -12,6 +12,13 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
              quantized tensors, which torch deprecates; a torch without them loses this path.
+  w8a8_int8_outliers  w8a8_int8 with a fixed set of input channels per layer (its outlier
+             channels, found at load by a calibration prefill: quant.int8_calibration) left out
+             of the int8 product and multiplied in float32 beside it (LLM.int8()'s
+             decomposition, with the channels chosen once instead of per batch), so the
+             per-token int8 step is sized by the ordinary channels; and 8-bit activations
+             with 7-bit weights (fbgemm without reduce_range), which measured closer to
+             float32 than w8a8_int8's 7-bit activations with 8-bit weights.
 
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).
@@ -34,9 +41,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("float32", "bfloat16", "w8a8_int8")
+PATHS = ("float32", "bfloat16", "w8a8_int8", "w8a8_int8_outliers")
+INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
 FLOAT32_IMPLS = ("onednn", "sgemm")
-QUANTIZATIONS = ("w8a8_int8",)  # --quantization values; None: the path follows --dtype
+QUANTIZATIONS = INT8_PATHS  # --quantization values; None: the path follows --dtype
+# Input channels per layer that w8a8_int8_outliers keeps in float32 (--int8-outlier-channels).
+DEFAULT_OUTLIER_CHANNELS = 16
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
 
 # Fidelity of each path against float32 on the default model (Q4_1), teacher-forced prefill of
@@ -49,6 +59,9 @@ FIDELITY = {
     "float32": {"passed": True},  # the reference (exact)
     "bfloat16": {"passed": True, "top1_agreement": 0.9859, "ppl_change": 0.0033},
     "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
+    # 16 outlier channels per layer (the default), 8-bit activations, 7-bit weights; other
+    # variants (more channels, lm_head float32, SmoothQuant scales) in the README: none passed.
+    "w8a8_int8_outliers": {"passed": False, "top1_agreement": 0.9523, "ppl_change": 0.0068},
 }
 
 
@@ -91,11 +104,11 @@ def int8_available() -> bool:
 def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str]) -> str:
     """The path of products above the packed limit for --dtype, --quantization and a CPU with
     `flags`. Raises ValueError naming the fix when the CPU cannot run the requested path."""
-    if quantization == "w8a8_int8":
+    if quantization in INT8_PATHS:
         if not int8_available():
-            raise ValueError("--quantization w8a8_int8 needs torch's fbgemm int8 kernels (an x86 "
-                             "CPU with AVX2); this torch has none: drop --quantization")
-        return "w8a8_int8"
+            raise ValueError(f"--quantization {quantization} needs torch's fbgemm int8 kernels "
+                             "(an x86 CPU with AVX2); this torch has none: drop --quantization")
+        return quantization
     if quantization is not None:
         raise ValueError(f"--quantization {quantization}: choose one of {QUANTIZATIONS}")
     if dtype == "bfloat16":
@@ -113,19 +126,24 @@ def auto_path(flags: frozenset[str]) -> str:
     """The fastest path on a CPU with `flags` among those whose fidelity passed."""
     ranked = ["bfloat16"] if cpu_has_bf16(flags) else []
     if int8_available():
-        ranked.append("w8a8_int8")
+        ranked += ["w8a8_int8", "w8a8_int8_outliers"]
     ranked.append("float32")
     return next(p for p in ranked if FIDELITY[p]["passed"])
 
 
 @dataclass
 class Int8Weight:
-    """A [N, K] weight as fbgemm's packed int8 (per output channel) and its shape."""
+    """A [N, K] weight as fbgemm's packed int8 (per output channel) and its shape; with
+    `outliers`, those input channels are left out of the int8 product and multiplied in float32
+    by `outlier_weight` ([k, N], the weight's columns at `outliers`, transposed)."""
 
     packed: object  # torch.classes.quantized.LinearPackedParamsBase
     out_features: int
     nbytes: int
     handle: int = -1
+    outliers: torch.Tensor | None = None  # int64 [k], sorted input channels
+    outlier_weight: torch.Tensor | None = None  # float32 [k, N]
+    weight_bits: int = 8  # 8: 7-bit activations; 7: 8-bit activations (see pack_int8)
 
 
 # The packed int8 weights by the handle each layer passes to airserve::w8a8_linear (the
@@ -140,6 +158,10 @@ _lib.define("w8a8_linear(Tensor x, int handle) -> Tensor")
 
 @torch.library.impl(_lib, "w8a8_linear", "CPU")
 def _w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    weight = _INT8_WEIGHTS[handle]
+    if weight.outliers is not None:  # outlier channels: float32, beside the int8 product
+        x_out = x.index_select(1, weight.outliers)
+        x = x.index_fill(1, weight.outliers, 0.0)
     # fbgemm quantizes its whole input with one scale, which would make a row's result depend
     # on the other rows of the batch (and on padding). Each row is scaled to max |x| = 1 first
     # and one extra row [1, -1, 0, ...] pins the tensor's range to [-1, 1], so every row is
@@ -148,10 +170,14 @@ def _w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     pin = x.new_zeros(1, x.shape[1])
     pin[0, :2] = torch.tensor([1.0, -1.0])
     torch.backends.quantized.engine = "fbgemm"
-    # reduce_range: 7-bit activations, so AVX2's u8 x s8 pair sums cannot saturate int16.
-    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]),
-                                             _INT8_WEIGHTS[handle].packed, True)
-    return out[:-1] * amax
+    # AVX2 sums pairs of u8 x s8 products in int16: 7-bit activations (reduce_range) with
+    # 8-bit weights, or 8-bit activations with 7-bit weights, cannot saturate it.
+    out = torch.ops.quantized.linear_dynamic(torch.cat([x / amax, pin]), weight.packed,
+                                             weight.weight_bits == 8)
+    out = out[:-1] * amax
+    if weight.outliers is not None:
+        out.addmm_(x_out, weight.outlier_weight)
+    return out
 
 
 @torch.library.register_fake("airserve::w8a8_linear")
@@ -159,21 +185,38 @@ def _w8a8_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _INT8_WEIGHTS[handle].out_features)
 
 
-def pack_int8(weight: torch.Tensor) -> Int8Weight:
-    """Quantize a float [N, K] weight to int8 per output channel (symmetric, scale max|w|/127)
-    and pack it for fbgemm; the caller keeps the result, `w8a8_linear` takes its handle."""
+def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None,
+              weight_bits: int = 8) -> Int8Weight:
+    """Quantize a float [N, K] weight to int8 per output channel (symmetric, scale
+    max|w|/127; `weight_bits` 7: max|w|/63, and the products then take 8-bit activations) and
+    pack it for fbgemm; the caller keeps the result, `w8a8_linear` takes its handle.
+    `outliers` (input channels) stay float32: their columns are zero in the int8 weight."""
     if not int8_available():
         raise RuntimeError("torch has no fbgemm engine here: w8a8_int8 is unavailable")
     w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    outlier_weight = None
+    if outliers is not None:
+        outliers = outliers.to(torch.long).unique()  # sorted, no repeats
+        if outliers.numel() and not 0 <= int(outliers[0]) <= int(outliers[-1]) < w.shape[1]:
+            raise ValueError(f"outlier channels {outliers.tolist()} outside 0..{w.shape[1] - 1}")
+        outlier_weight = w[:, outliers].T.contiguous()
+        w = w.index_fill(1, outliers, 0.0)
+    if weight_bits not in (7, 8):
+        raise ValueError(f"weight_bits={weight_bits}: 7 or 8")
+    top = 2 ** (weight_bits - 1) - 1
+    scale = (w.abs().amax(1) / top).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-top, top).to(torch.int8)
     with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm packs from one
         warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
         qw = torch._make_per_channel_quantized_tensor(
             q, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0)
     torch.backends.quantized.engine = "fbgemm"
     packed = torch.ops.quantized.linear_prepack(qw, None)
-    weight_int8 = Int8Weight(packed, w.shape[0], q.numel() + 8 * w.shape[0], next(_handles))
+    nbytes = q.numel() + 8 * w.shape[0]
+    if outlier_weight is not None:
+        nbytes += outlier_weight.numel() * 4 + outliers.numel() * 8
+    weight_int8 = Int8Weight(packed, w.shape[0], nbytes, next(_handles), outliers,
+                             outlier_weight, weight_bits)
     _INT8_WEIGHTS[weight_int8.handle] = weight_int8
     return weight_int8
 
