@@ -51,9 +51,10 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "w8a8_int8": {"quantization": "w8a8_int8"},
     "w8a8_int8_outliers": {"quantization": "w8a8_int8_outliers"},
-    # Not matmul paths: the activations of the packed decode products (default "auto").
+    # Not matmul paths: the activations of the packed decode products (default "float32").
     "act-float32": {"cpu_decode_activations": "float32"},
     "act-int8": {"cpu_decode_activations": "int8"},
+    "act-auto": {"cpu_decode_activations": "auto"},
 }
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]

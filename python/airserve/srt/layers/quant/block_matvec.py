@@ -11,7 +11,8 @@ Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KIN
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
-`activations="auto"` (the server default) picks per kind (`resolve_activations`).
+`activations="auto"` (opt-in; the server default is float32) picks per kind
+(`resolve_activations`).
 
 If the operators cannot be built (no C++ compiler), `kernels_available()` says why once in the
 log and the model keeps using its float32 weights; the model runner reports which path it uses.
