@@ -43,16 +43,17 @@ from airserve.test import few_shot_gsm8k  # noqa: E402
 
 # Name -> server flags. The first one is the reference for the answer check and the
 # Poisson rate: airserve before the prefix cache and chunked prefill. "budget" is the
-# decode-aware prefill budget (--decode-chunked-prefill-size, on by default on cpu); the
-# configurations without it turn it off.
+# decode-aware prefill budget (--decode-chunked-prefill-size 128, off by default); the
+# configurations without it say -1 all the same.
 NO_BUDGET = ("--decode-chunked-prefill-size", "-1")
+BUDGET = ("--decode-chunked-prefill-size", "128")
 CONFIGS: dict[str, tuple[str, ...]] = {
     "no-cache": ("--disable-radix-cache", "--chunked-prefill-size", "-1"),
     "radix": ("--chunked-prefill-size", "-1"),
-    "radix+chunked": NO_BUDGET,
+    "radix+chunked": NO_BUDGET,  # the defaults
     "radix+chunked+mixed": ("--enable-mixed-chunk", *NO_BUDGET),
-    "radix+chunked+budget": (),  # the defaults
-    "radix+chunked+mixed+budget": ("--enable-mixed-chunk",),
+    "radix+chunked+budget": BUDGET,
+    "radix+chunked+mixed+budget": ("--enable-mixed-chunk", *BUDGET),
 }
 WORKLOADS = ("gsm8k", "gsp", "random", "sharegpt", "poisson")
 SCHEDULER_COUNTS = ("prefill_tokens", "mixed_steps", "prefill_budget_limited_steps",

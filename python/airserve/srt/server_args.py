@@ -37,15 +37,16 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEFAULT_CPU_CHUNK = 512
 DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_CHUNK, "cuda": 8192, "npu": 8192}
 # Prefill tokens per step while requests decode, when --decode-chunked-prefill-size is not
-# given. Every running stream waits for each prefill step, so its worst gap between tokens is
-# one decode step plus one prefill step of this size. Measured on a quiet 2-core AVX2 CPU
-# (default model, bench_load Poisson 128/128 at 0.81 req/s): a 512-token prefill step takes
-# ~1 s (~2 ms a token) and a decode step ~0.2 s, and ITL p99 was ~1.0-1.1 s with full chunks.
-# 128 bounds the gap near 0.2 + 0.26 s, under half of that, and still reads a 128-token prompt
-# in one step; smaller budgets split such prompts, a decode step between the parts (TTFT).
-# Accelerators keep SGLang's behaviour (-1: prefill steps of the full chunk, back to back).
-DEFAULT_CPU_DECODE_CHUNK = 128
-DEFAULT_DECODE_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_DECODE_CHUNK}
+# given: off (-1) on every device, SGLang's behaviour (prefill steps of the full chunk, back to
+# back). Every running stream waits for each prefill step, so with a budget its worst gap
+# between tokens is one decode step plus one prefill step of that size. Measured on a quiet
+# 2-core AVX2 CPU (default model, benchmark/serving/bench_load.py, Poisson 128/128 at 0.81
+# req/s, near capacity), 128 against no cache and whole prompts: ITL p99 970 -> 699 ms but
+# TTFT p50 563 -> 909 ms and p99 4.4 -> 8.7 s (prompts wait behind the interleaved decode
+# steps), random 128/128 at concurrency 64 -2.6% output tok/s. A trade of first-token latency
+# for smoother streams, so it is the user's choice, not the default.
+DEFAULT_CPU_DECODE_CHUNK = 128  # the size measured above, for users who want the trade
+DEFAULT_DECODE_CHUNKED_PREFILL_SIZE: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -444,8 +445,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-chunked-prefill-size", type=int,
                    default=d.decode_chunked_prefill_size,
                    help=f"while requests decode, prefill at most this many tokens per step and "
-                        f"decode between two prefill steps (-1: off; default "
-                        f"{DEFAULT_CPU_DECODE_CHUNK} on cpu, off elsewhere)")
+                        f"decode between two prefill steps (default -1: off; e.g. "
+                        f"{DEFAULT_CPU_DECODE_CHUNK} on cpu trades first-token latency for "
+                        f"steadier streams)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="decode the running requests in the same forward as a prefill chunk")
     g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS),

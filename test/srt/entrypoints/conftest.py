@@ -7,7 +7,8 @@ import pytest
 from airserve_testing.server_utils import ServerProcess
 
 # Enough KV for 32 requests at the tiny model's full context (512).
-SERVER_ARGS = ("--enable-metrics", "--max-total-tokens", "16384", "--max-running-requests", "32")
+SERVER_ARGS = ("--enable-metrics", "--max-total-tokens", "16384", "--max-running-requests", "32",
+               "--decode-chunked-prefill-size", "128")
 
 
 @pytest.fixture(scope="session")

@@ -191,9 +191,10 @@ def test_prefix_cache_hits_are_reported(http):
 
 def test_prefill_budget_while_decoding_is_reported(server, http):
     """A long prompt that arrives while a stream decodes is read at most the decode budget per
-    step (the server's cpu default), a decode step between two of its chunks; the output is
-    the one it gets alone; /get_server_info and /metrics show the budget and the counts."""
-    prompt = [5 + i % 290 for i in range(300)]  # three chunks of the default budget of 128
+    step (the test server's --decode-chunked-prefill-size), a decode step between two of its
+    chunks; the output is the one it gets alone; /get_server_info and /metrics show the budget
+    and the counts."""
+    prompt = [5 + i % 290 for i in range(300)]  # three chunks of the budget of 128
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     alone = generate(http, input_ids=prompt, sampling_params=params)["output_ids"]
     assert http.post("/flush_cache").status_code == 200

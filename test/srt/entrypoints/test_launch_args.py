@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airserve.launch_server import parse_args
-from airserve.srt.server_args import DEFAULT_CPU_CHUNK, DEFAULT_CPU_DECODE_CHUNK
+from airserve.srt.server_args import DEFAULT_CPU_CHUNK
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -35,7 +35,7 @@ def test_scheduling_flags():
     assert args.enable_mixed_chunk and not args.disable_radix_cache
     assert parse_args(["--chunked-prefill-size", "-1"]).resolved_chunked_prefill_size is None
     assert parse_args([]).resolved_chunked_prefill_size == DEFAULT_CPU_CHUNK
-    assert parse_args([]).resolved_decode_chunked_prefill_size == DEFAULT_CPU_DECODE_CHUNK
+    assert parse_args([]).resolved_decode_chunked_prefill_size is None  # off by default
     args = parse_args(["--decode-chunked-prefill-size", "64"])
     assert args.resolved_decode_chunked_prefill_size == 64
     args = parse_args(["--decode-chunked-prefill-size", "-1"])

@@ -189,9 +189,8 @@ def test_server_args_refuse_bad_budgets(kwargs, message):
 
 
 def test_server_args_resolve_the_budget():
-    assert ServerArgs().resolved_decode_chunked_prefill_size == 128
+    assert ServerArgs().resolved_decode_chunked_prefill_size is None  # off by default
     assert ServerArgs(decode_chunked_prefill_size=-1).resolved_decode_chunked_prefill_size is None
     assert ServerArgs(chunked_prefill_size=-1).resolved_decode_chunked_prefill_size is None
-    # The default never exceeds a smaller chunk.
-    assert ServerArgs(chunked_prefill_size=64).resolved_decode_chunked_prefill_size == 64
+    assert ServerArgs(chunked_prefill_size=64).resolved_decode_chunked_prefill_size is None
     assert ServerArgs(decode_chunked_prefill_size=32).resolved_decode_chunked_prefill_size == 32
