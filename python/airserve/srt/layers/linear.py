@@ -1,9 +1,8 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
 use (`quant.matmul_paths`: float32, bfloat16, w8a8_int8 or w8a8_int8_outliers; float32 by
-oneDNN over a reordered
-weight or by sgemm over the plain one). `Linear.path_for(rows)` is the one place that decides
-which product an input of `rows` rows takes."""
+oneDNN over a reordered weight or by sgemm over the plain one). `Linear.path_for(rows)` is the
+one place that decides which product an input of `rows` rows takes."""
 
 from __future__ import annotations
 
@@ -124,9 +123,9 @@ class Linear(nn.Linear):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
         self.register_buffer("weight_bf16", self.float_weight().bfloat16()
                              if path == "bfloat16" else None, persistent=False)
-        if path == "w8a8_int8_outliers" and outliers is None:
-            raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
         outlier_path = path == "w8a8_int8_outliers"
+        if outlier_path and outliers is None:
+            raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
         self.weight_int8 = (pack_int8(self.float_weight(), outliers if outlier_path else None,
                                       7 if outlier_path else 8)
                             if path in INT8_PATHS else None)
