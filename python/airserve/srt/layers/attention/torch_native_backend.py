@@ -72,7 +72,8 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
 paged_decode_attention = torch.ops.airserve.paged_decode_attention.default
 
 # The same step as one C++ operator (csrc/decode_attention.cpp, float32 only): a few
-# microseconds a layer where the torch ops above cost ~150 us in per-op overhead on 2 cores.
+# microseconds a layer where the torch ops above cost ~150 us in per-op overhead on 2 cores;
+# one pass over the K/V rows (online softmax), split over threads for long contexts.
 _lib.define(
     "paged_decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
     "Tensor(b!) v_cache, Tensor out_cache_loc, Tensor block_table, Tensor seq_lens, "
@@ -90,6 +91,18 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, cpp_built: bool)
     if cpp_built and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
         return torch.ops.airserve.paged_decode_attention_cpu.default
     return paged_decode_attention
+
+
+def attention_isas() -> list[str]:
+    """Instruction sets the C++ decode attention can use on this CPU, best first ("avx2",
+    "scalar"); the first is used unless `use_attention_isa` narrowed it."""
+    return list(torch.ops.airserve_isa.attention_isas())
+
+
+def use_attention_isa(name: str) -> str:
+    """Make the C++ decode attention use `name` ("auto": the best this CPU has); tests and
+    benchmarks use it to run every path. Raises RuntimeError for one the CPU lacks."""
+    return str(torch.ops.airserve_isa.set_attention_isa(name))
 
 
 def _live_slots(block_table: torch.Tensor, live: int, page_size: int) -> torch.Tensor:

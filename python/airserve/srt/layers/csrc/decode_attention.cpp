@@ -1,68 +1,119 @@
 // Paged decode attention on the host CPU, float32: one new token per sequence.
 //
 // Writes the new token's K/V into the pool at out_cache_loc, then attends each query over the
-// first seq_lens[b] positions of its block table (the padded tail is never read). One task per
-// (sequence, KV head) reads each cached K/V row once for all query heads of its group. The
-// file is built with -march=native (cpu_kernels.py): dot and axpy use AVX-512 or AVX2+FMA when
-// the build CPU has them, else plain loops.
+// first seq_lens[b] positions of its block table (the padded tail is never read).
+//
+// Work is a line of sequences, one unit per cached position; the line is cut into one equal
+// piece per thread, so a long sequence at batch size 1 is split over the threads (split-K, the
+// parts merged afterwards) and a batch of ragged lengths is balanced by tokens. A sequence is
+// walked once, in chunks of kChunk tokens (the next chunk's scattered rows prefetched meanwhile);
+// per KV head, the chunk's scores for all query heads of the group (eight tokens share one
+// horizontal reduction), their softmax against a running maximum (online softmax), then the
+// weighted sum of the chunk's V rows. Each K/V row is read from memory once. Small calls run on
+// the calling thread: waking the pool costs more than their arithmetic.
+//
+// The vector loops are compiled for AVX2+FMA through target options whatever the build machine
+// is, and chosen at run time when the CPU has them (AVX-512 CPUs do) and the head size is a
+// multiple of 8; otherwise plain C++ loops run (set_attention_isa narrows the choice for tests).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include "isa_select.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+#define AIRSERVE_ATTN_AVX2 1
 #endif
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  s = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // Two accumulators: a head of 64 values is 8 FMAs, and one chain would wait on each.
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+constexpr int64_t kChunk = 64;  // tokens per chunk: its V rows of one head stay in L1
+// Below this many (token x KV head) positions a call runs on one thread: on a 2-core AVX2 EPYC
+// waking the pool costs a few microseconds, about the arithmetic of this many positions.
+constexpr int64_t kParallelMinWork = 1024;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// What one sequence reads: all its KV heads. Rows are `row` floats apart in the pool.
+struct Segment {
+  const float* q;   // [KVH * group, D], already multiplied by the scale
+  const float* kc;  // pool base (+ head offset in a one-head view)
+  const float* vc;
+  const int32_t* table;  // this sequence's block table
+  int64_t page_size, row, group, dim;
+
+  // The view of KV head h alone.
+  Segment head(int64_t h) const {
+    return {q + h * group * dim, kc + h * dim, vc + h * dim, table, page_size, row, group, dim};
   }
-  for (; i + 8 <= n; i += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  s = _mm_cvtss_f32(half);
-#endif
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+};
+
+// Running state of softmaxes: max, sum of e^(s - max), unnormalized output, per query head.
+struct Partial {
+  float* m;  // [heads]
+  float* l;  // [heads]
+  float* o;  // [heads, D]
+
+  Partial head(int64_t h, int64_t group, int64_t dim) const {
+    return {m + h * group, l + h * group, o + h * group * dim};
+  }
+};
+
+// Pool offsets (in floats, before the head offset) of tokens [t0, t0 + n).
+inline void gather_rows(const Segment& s, int64_t t0, int64_t n, int64_t* off) {
+  if (s.page_size == 1) {
+    for (int64_t j = 0; j < n; ++j) off[j] = int64_t(s.table[t0 + j]) * s.row;
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j;
+    off[j] = (int64_t(s.table[t / s.page_size]) * s.page_size + t % s.page_size) * s.row;
+  }
 }
 
-inline void axpy(float* y, float alpha, const float* x, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 a = _mm256_set1_ps(alpha);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += alpha * x[i];
+// Asks for the K and V rows (all heads) at `off` to be brought into L2: a chunk's rows are
+// scattered over the pool, which the hardware prefetchers cannot guess.
+inline void prefetch_rows(const Segment& s, const int64_t* off, int64_t n) {
+  const int64_t bytes = s.row * int64_t(sizeof(float));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = reinterpret_cast<const char*>(s.kc + off[j]);
+    const char* v = reinterpret_cast<const char*>(s.vc + off[j]);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 2);
+      __builtin_prefetch(v + b, 0, 2);
+    }
+  }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x for x <= 0 (softmax scores minus their maximum), 8 lanes: x = n ln2 + r with |r| <= ln2/2,
+#ifdef AIRSERVE_ATTN_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace attn_avx2 {
+
+// Lane i of the result is the sum of a[i]'s eight lanes.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hsum(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// e^x for x <= 0 (scores minus their maximum), 8 lanes: x = n ln2 + r with |r| <= ln2/2,
 // e^r from a degree-7 polynomial (Cephes' expf coefficients, relative error ~1e-7), 2^n put
 // into the exponent bits. Inputs below -87 give e^-87 (~1.6e-38) instead of denormals.
 inline __m256 exp_nonpositive(__m256 x) {
@@ -83,26 +134,327 @@ inline __m256 exp_nonpositive(__m256 x) {
                                                        _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-#endif
+
+inline float dot8(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  return hsum(acc);
+}
+
+// sc[g * kChunk + j] = q[g] . K[j] for the chunk's n tokens; D % 8 == 0. Eight tokens share
+// one reduction of their eight accumulators.
+void chunk_scores(const Segment& s, const int64_t* off, int64_t n, float* sc) {
+  const int64_t D = s.dim;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* k[8];
+    for (int t = 0; t < 8; ++t) k[t] = s.kc + off[j + t];
+    for (int64_t g = 0; g < s.group; ++g) {
+      const float* q = s.q + g * D;
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int t = 0; t < 8; ++t)
+          acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + d), acc[t]);
+      }
+      _mm256_storeu_ps(sc + g * kChunk + j, reduce8(acc));
+    }
+  }
+  for (; j < n; ++j)
+    for (int64_t g = 0; g < s.group; ++g)
+      sc[g * kChunk + j] = dot8(s.q + g * D, s.kc + off[j], D);
+}
 
 // s[j] = e^(s[j] - mx) for j < n; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float mx) {
-  int64_t j = 0;
-  float total = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
+float exp_shifted(float* p, int64_t n, float mx) {
   const __m256 m = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-    _mm256_storeu_ps(s + j, e);
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+    _mm256_storeu_ps(p + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float lane : lanes) total += lane;
-#endif
-  for (; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  float total = hsum(acc);
+  for (; j < n; ++j) total += (p[j] = std::exp(p[j] - mx));
   return total;
+}
+
+// o[g] += sum_j w[g * kChunk + j] * V[j]; D % 8 == 0. Four vectors of o stay in registers
+// while the chunk's rows stream past (from L1 after the first query head).
+void chunk_values(const Segment& s, const int64_t* off, int64_t n, const float* w, float* o) {
+  const int64_t D = s.dim;
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* og = o + g * D;
+    const float* wg = w + g * kChunk;
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      __m256 a0 = _mm256_loadu_ps(og + d), a1 = _mm256_loadu_ps(og + d + 8);
+      __m256 a2 = _mm256_loadu_ps(og + d + 16), a3 = _mm256_loadu_ps(og + d + 24);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = s.vc + off[j] + d;
+        const __m256 p = _mm256_broadcast_ss(wg + j);
+        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+      }
+      _mm256_storeu_ps(og + d, a0);
+      _mm256_storeu_ps(og + d + 8, a1);
+      _mm256_storeu_ps(og + d + 16, a2);
+      _mm256_storeu_ps(og + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+      __m256 a = _mm256_loadu_ps(og + d);
+      for (int64_t j = 0; j < n; ++j)
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(wg + j), _mm256_loadu_ps(s.vc + off[j] + d), a);
+      _mm256_storeu_ps(og + d, a);
+    }
+  }
+}
+
+}  // namespace attn_avx2
+#pragma GCC pop_options
+#endif  // AIRSERVE_ATTN_AVX2
+
+// The same three steps in plain C++: any CPU, any head size.
+void chunk_scores_portable(const Segment& s, const int64_t* off, int64_t n, float* sc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = s.kc + off[j];
+    for (int64_t g = 0; g < s.group; ++g) {
+      const float* q = s.q + g * s.dim;
+      float acc = 0.f;
+      for (int64_t d = 0; d < s.dim; ++d) acc += q[d] * k[d];
+      sc[g * kChunk + j] = acc;
+    }
+  }
+}
+
+float exp_shifted_portable(float* p, int64_t n, float mx) {
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - mx));
+  return total;
+}
+
+void chunk_values_portable(const Segment& s, const int64_t* off, int64_t n, const float* w,
+                           float* o) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = s.vc + off[j];
+    for (int64_t g = 0; g < s.group; ++g) {
+      float* og = o + g * s.dim;
+      const float p = w[g * kChunk + j];
+      for (int64_t d = 0; d < s.dim; ++d) og[d] += p * v[d];
+    }
+  }
+}
+
+// Folds tokens [t0, t1) of one KV head's chunk into `acc`.
+void attend_chunk(const Segment& s, const int64_t* off, int64_t n, float* sc, const Partial& acc,
+                  bool vector) {
+#ifdef AIRSERVE_ATTN_AVX2
+  if (vector) attn_avx2::chunk_scores(s, off, n, sc);
+  else
+#endif
+    chunk_scores_portable(s, off, n, sc);
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* p = sc + g * kChunk;
+    const float mx = std::max(acc.m[g], *std::max_element(p, p + n));
+    // The first chunk rescales nothing: e^(-inf - mx) = 0 times an o of zeros.
+    const float correction = std::exp(acc.m[g] - mx);
+#ifdef AIRSERVE_ATTN_AVX2
+    const float sum = vector ? attn_avx2::exp_shifted(p, n, mx)
+                             : exp_shifted_portable(p, n, mx);
+#else
+    const float sum = exp_shifted_portable(p, n, mx);
+#endif
+    acc.l[g] = acc.l[g] * correction + sum;
+    acc.m[g] = mx;
+    if (correction != 1.f)
+      for (int64_t d = 0; d < s.dim; ++d) acc.o[g * s.dim + d] *= correction;
+  }
+#ifdef AIRSERVE_ATTN_AVX2
+  if (vector) attn_avx2::chunk_values(s, off, n, sc, acc.o);
+  else
+#endif
+    chunk_values_portable(s, off, n, sc, acc.o);
+}
+
+// Folds tokens [t0, t1) of a sequence, every KV head, into `acc` (which starts at m = -inf,
+// l = 0, o = 0), chunk by chunk; the next chunk's rows are fetched while one is computed.
+void attend(const Segment& s, int64_t kvh, int64_t t0, int64_t t1, const Partial& acc,
+            bool vector) {
+  int64_t offsets[2][kChunk];
+  // Scores of one chunk for a group; thread-local so no call allocates after warm-up.
+  thread_local std::vector<float> buffer;
+  buffer.resize(s.group * kChunk);
+  int64_t n = std::min(kChunk, t1 - t0);
+  gather_rows(s, t0, n, offsets[0]);
+  prefetch_rows(s, offsets[0], n);
+  for (int64_t c = t0, i = 0; c < t1; c += kChunk, i ^= 1) {
+    const int64_t next = std::min(kChunk, t1 - c - n);
+    if (next > 0) {
+      gather_rows(s, c + n, next, offsets[i ^ 1]);
+      prefetch_rows(s, offsets[i ^ 1], next);
+    }
+    for (int64_t h = 0; h < kvh; ++h)
+      attend_chunk(s.head(h), offsets[i], n, buffer.data(), acc.head(h, s.group, s.dim),
+                   vector);
+    n = next;
+  }
+}
+
+inline void reset(const Partial& p, int64_t heads, int64_t dim) {
+  std::fill_n(p.m, heads, kNegInf);
+  std::fill_n(p.l, heads, 0.f);
+  std::fill_n(p.o, heads * dim, 0.f);
+}
+
+// Sets `into` to the softmax-weighted combination of two partials of the same sequence.
+void merge(const Partial& into, const Partial& from, int64_t heads, int64_t dim) {
+  for (int64_t g = 0; g < heads; ++g) {
+    const float mx = std::max(into.m[g], from.m[g]);
+    const float a = std::exp(into.m[g] - mx), b = std::exp(from.m[g] - mx);
+    into.l[g] = into.l[g] * a + from.l[g] * b;
+    into.m[g] = mx;
+    for (int64_t d = 0; d < dim; ++d)
+      into.o[g * dim + d] = into.o[g * dim + d] * a + from.o[g * dim + d] * b;
+  }
+}
+
+inline void normalize(const Partial& p, float* out, int64_t heads, int64_t dim) {
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = 1.f / p.l[g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = p.o[g * dim + d] * inv;
+  }
+}
+
+// One call's shapes and pointers. Segment b of the work line is sequence b, seq_lens[b]
+// positions long.
+struct Call {
+  const float* qs;  // [bs, H, D] queries times the scale
+  const float* kc;
+  const float* vc;
+  const int32_t* table;  // [bs, width]
+  const int32_t* lens;   // [bs]
+  float* out;            // [bs, H, D]
+  int64_t width, page_size, kvh, group, dim;
+  bool vector;
+
+  int64_t heads() const { return kvh * group; }
+  Segment segment(int64_t b) const {
+    return {qs + b * heads() * dim, kc, vc, table + b * width, page_size, kvh * dim, group, dim};
+  }
+  float* out_of(int64_t b) const { return out + b * heads() * dim; }
+  int64_t state_size() const { return heads() * (dim + 2); }
+  Partial partial(float* base) const { return {base, base + heads(), base + 2 * heads()}; }
+};
+
+// Runs the positions [bound[p], bound[p + 1]) of the work line. A segment that lies wholly in
+// the piece is written to the output; one cut by the piece's edge is left in scratch slot
+// 2p (the piece's first segment) or 2p + 1 (its last) for `merge_cut`.
+void run_piece(const Call& c, const std::vector<int64_t>& start, const std::vector<int64_t>& bound,
+               int64_t p, float* scratch) {
+  thread_local std::vector<float> whole_state;
+  whole_state.resize(c.state_size());
+  const int64_t end = bound[p + 1];
+  int64_t s = std::upper_bound(start.begin(), start.end(), bound[p]) - start.begin() - 1;
+  for (int64_t pos = bound[p]; pos < end; pos = start[++s]) {
+    const int64_t t0 = pos - start[s], t1 = std::min(start[s + 1], end) - start[s];
+    const bool whole = t0 == 0 && t1 == start[s + 1] - start[s];
+    float* base = whole ? whole_state.data()
+                        : scratch + (2 * p + (pos == bound[p] ? 0 : 1)) * c.state_size();
+    const Partial acc = c.partial(base);
+    reset(acc, c.heads(), c.dim);
+    attend(c.segment(s), c.kvh, t0, t1, acc, c.vector);
+    if (whole) normalize(acc, c.out_of(s), c.heads(), c.dim);
+  }
+}
+
+// Combines the pieces' parts of every segment that a piece boundary cuts, into the output.
+void merge_cut(const Call& c, const std::vector<int64_t>& start,
+               const std::vector<int64_t>& bound, float* scratch) {
+  const int64_t pieces = int64_t(bound.size()) - 1;
+  int64_t last = -1;
+  for (int64_t p = 1; p < pieces; ++p) {
+    const int64_t s = std::upper_bound(start.begin(), start.end(), bound[p]) - start.begin() - 1;
+    if (start[s] == bound[p] || s == last) continue;  // not cut here, or merged already
+    last = s;
+    // Pieces p0..p1 hold parts of s: p0 as its last segment, the others as their first.
+    int64_t p0 = p - 1;
+    while (p0 > 0 && bound[p0] > start[s]) --p0;
+    const Partial into = c.partial(scratch + (2 * p0 + (bound[p0] == start[s] ? 0 : 1)) *
+                                                 c.state_size());
+    for (int64_t q = p; q < pieces && bound[q] < start[s + 1]; ++q)
+      merge(into, c.partial(scratch + 2 * q * c.state_size()), c.heads(), c.dim);
+    normalize(into, c.out_of(s), c.heads(), c.dim);
+  }
+}
+
+// Cuts the work line into `pieces` runs of equal length, one per thread, and runs them.
+void run(const Call& c, int64_t segments, int64_t pieces) {
+  std::vector<int64_t> start(segments + 1, 0);
+  for (int64_t i = 0; i < segments; ++i) start[i + 1] = start[i] + c.lens[i];
+  std::vector<int64_t> bound(pieces + 1);
+  for (int64_t p = 0; p <= pieces; ++p) bound[p] = start[segments] * p / pieces;
+  if (pieces == 1) {
+    run_piece(c, start, bound, 0, nullptr);
+    return;
+  }
+  std::vector<float> scratch(2 * pieces * c.state_size());
+  at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) run_piece(c, start, bound, p, scratch.data());
+  });
+  merge_cut(c, start, bound, scratch.data());
+}
+
+// Instruction sets, best first; g_isa holds an index into this table.
+const char* const kIsaNames[] = {"avx2", "scalar"};
+constexpr int kIsaCount = 2;
+std::atomic<int> g_isa{-1};
+
+bool isa_supported(int isa) {
+#ifdef AIRSERVE_ATTN_AVX2
+  __builtin_cpu_init();
+  if (isa == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == 1;
+}
+
+int current_isa() { return airserve_isa::current(g_isa, kIsaCount, isa_supported); }
+
+std::vector<std::string> attention_isas() {
+  std::vector<std::string> names;
+  for (int i = 0; i < kIsaCount; ++i)
+    if (isa_supported(i)) names.emplace_back(kIsaNames[i]);
+  return names;
+}
+
+std::string attention_isa() { return kIsaNames[current_isa()]; }
+
+// Narrows the instruction set decode attention uses ("auto": the best this CPU has). For tests
+// and benchmarks; returns the one now in use.
+std::string set_attention_isa(const std::string& name) {
+  if (name == "auto") {
+    g_isa.store(airserve_isa::best(kIsaCount, isa_supported));
+    return attention_isa();
+  }
+  for (int i = 0; i < kIsaCount; ++i) {
+    if (name != kIsaNames[i]) continue;
+    TORCH_CHECK(isa_supported(i), "airserve::set_attention_isa: this CPU (or compiler) lacks ",
+                name);
+    g_isa.store(i);
+    return attention_isa();
+  }
+  TORCH_CHECK(false, "airserve::set_attention_isa: unknown instruction set '", name,
+              "' (auto, avx2, scalar)");
+}
+
+template <typename T>
+const T* typed(const at::Tensor& t, at::ScalarType type, at::Tensor& keep) {
+  keep = (t.scalar_type() == type && t.is_contiguous()) ? t : t.to(type).contiguous();
+  return keep.data_ptr<T>();
 }
 
 at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -115,60 +467,54 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               name, ": float32 queries and KV cache only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  v_cache.sizes() == k_cache.sizes(),
               name, ": the KV buffers must be contiguous [num_slots, KVH, D]");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor k = k_in.to(at::kFloat).contiguous();
-  const at::Tensor v = v_in.to(at::kFloat).contiguous();
-  const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
-  const at::Tensor table = block_table_in.to(at::kInt).contiguous();
-  const at::Tensor lens = seq_lens_in.to(at::kInt).contiguous();
-  const int64_t bs = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), slots = k_cache.size(0), width = table.size(1);
+  TORCH_CHECK(q_in.dim() == 3 && block_table_in.dim() == 2 && page_size >= 1, name,
+              ": q must be [bs, H, D], block_table [bs, max_blocks], page_size >= 1");
+  at::Tensor q_keep, k_keep, v_keep, loc_keep, table_keep, lens_keep;
+  const float* qp = typed<float>(q_in, at::kFloat, q_keep);
+  const float* kp = typed<float>(k_in, at::kFloat, k_keep);
+  const float* vp = typed<float>(v_in, at::kFloat, v_keep);
+  const int64_t* locp = typed<int64_t>(out_cache_loc, at::kLong, loc_keep);
+  const int32_t* tp = typed<int32_t>(block_table_in, at::kInt, table_keep);
+  const int32_t* lp = typed<int32_t>(seq_lens_in, at::kInt, lens_keep);
+  const int64_t bs = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  const int64_t KVH = k_cache.size(1), slots = k_cache.size(0);
+  const int64_t width = block_table_in.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, name, ": head shapes do not match");
-  const int64_t group = H / KVH, row = KVH * D;
+  TORCH_CHECK(out_cache_loc.numel() == bs && seq_lens_in.numel() == bs &&
+                  block_table_in.size(0) == bs && k_in.numel() == bs * KVH * D &&
+                  v_in.numel() == bs * KVH * D,
+              name, ": k, v, out_cache_loc, block_table and seq_lens must have bs rows");
+  const int64_t group = H / KVH, row = KVH * D, pages = slots / page_size;
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  const int64_t* locp = loc.data_ptr<int64_t>();
+  int64_t total = 0;  // work: cached positions over all (sequence, KV head) segments
   for (int64_t b = 0; b < bs; ++b) {
     TORCH_CHECK(locp[b] >= 0 && locp[b] < slots, name, ": out_cache_loc out of range");
-    std::copy_n(k.data_ptr<float>() + b * row, row, kc + locp[b] * row);
-    std::copy_n(v.data_ptr<float>() + b * row, row, vc + locp[b] * row);
-  }
-  const int32_t* tp = table.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < bs; ++b)
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * page_size, name, ": seq_lens[", b, "]=", lp[b],
                 " does not fit the block table");
-  at::Tensor out = at::zeros({bs, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
+    const int64_t blocks = (lp[b] + page_size - 1) / page_size;
+    for (int64_t i = 0; i < blocks; ++i)
+      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < pages, name,
+                  ": block_table[", b, ", ", i, "]=", tp[b * width + i], " is not a page");
+    std::copy_n(kp + b * row, row, kc + locp[b] * row);
+    std::copy_n(vp + b * row, row, vc + locp[b] * row);
+    total += int64_t(lp[b]) * KVH;
+  }
+  at::Tensor out = at::empty({bs, H, D}, q_in.options());
   float* op = out.data_ptr<float>();
+  // The queries times the scale, so scores need no multiply.
+  std::vector<float> qs(bs * H * D);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, bs * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / KVH, h = t % KVH, len = lp[b];
-      scores.assign(group * len, 0.f);
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t page = tp[b * width + j / page_size];
-        const float* kr = kc + (page * page_size + j % page_size) * row + h * D;
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * len + j] = sc * dot(qp + (b * H + h * group + g) * D, kr, D);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float mx = *std::max_element(s, s + len);
-        const float inv = 1.f / exp_shifted(s, len, mx);
-        for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-      }
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t page = tp[b * width + j / page_size];
-        const float* vr = vc + (page * page_size + j % page_size) * row + h * D;
-        for (int64_t g = 0; g < group; ++g)
-          axpy(op + (b * H + h * group + g) * D, scores[g * len + j], vr, D);
-      }
-    }
-  });
+  for (int64_t i = 0; i < bs * H * D; ++i) qs[i] = qp[i] * sc;
+  const bool vector = current_isa() == 0 && D % 8 == 0;
+  const int64_t pieces = total < kParallelMinWork ? 1
+                                                  : std::min<int64_t>(at::get_num_threads(),
+                                                                      total / KVH);
+  const Call call{qs.data(), kc, vc, tp, lp, op, width, page_size, KVH, group, D, vector};
+  run(call, bs, pieces);
   return out;
 }
 
@@ -176,4 +522,10 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
 
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("paged_decode_attention_cpu", &paged_decode_attention_cpu);
+}
+
+TORCH_LIBRARY_FRAGMENT(airserve_isa, lib) {
+  lib.def("attention_isa() -> str", &attention_isa);
+  lib.def("attention_isas() -> str[]", &attention_isas);
+  lib.def("set_attention_isa(str name) -> str", &set_attention_isa);
 }

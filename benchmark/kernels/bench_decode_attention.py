@@ -1,0 +1,160 @@
+"""Micro-benchmark of the CPU paged decode attention operator, implementations side by side.
+
+The default model's heads (9 query heads over 3 KV heads of 64), float32, page size 1 with a
+shuffled block table, batch sizes 1/8/64, cached lengths 32/256/1024/2048, 1 and 2 threads.
+Implementations (`--ops`):
+
+- `cpp`: the operator as the package builds it (`torch.ops.airserve.paged_decode_attention_cpu`);
+  `cpp:scalar` / `cpp:avx2` the same with its instruction set narrowed;
+- `torch`: the plain torch ops path (`torch.ops.airserve.paged_decode_attention`);
+- `git:REV`: `csrc/decode_attention.cpp` as of a git revision (e.g. `git:main`, the kernel before
+  a change), built alone under its own operator namespace, same compiler flags;
+- `file:PATH`: a source file of the operator, built the same way.
+
+The implementations take turns call by call, so a busy machine's slow spells hit them alike.
+Prints median microseconds per call and writes JSON naming the CPU.
+
+    python benchmark/kernels/bench_decode_attention.py [--ops git:main cpp] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from airserve.srt.hardware import host_cpu
+
+SOURCE = "python/airserve/srt/layers/csrc/decode_attention.cpp"
+CSRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", os.path.dirname(SOURCE)))
+SCHEMA = ("paged_decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor out_cache_loc, Tensor block_table, Tensor seq_lens, "
+          "int page_size, float scale) -> Tensor")
+IMPL_LINE = "TORCH_LIBRARY_IMPL(airserve, CPU, lib) {"
+
+
+def load_source(text: str):
+    """Builds one operator source under a namespace of its own; returns the op."""
+    from torch.utils import cpp_extension
+
+    assert IMPL_LINE in text, "the source no longer registers its op the expected way"
+    tag = hashlib.sha1(text.encode()).hexdigest()[:10]
+    namespace = f"airserve_bench_{tag}"
+    text = text.replace(IMPL_LINE, f'TORCH_LIBRARY({namespace}, lib) {{\n  lib.def("{SCHEMA}");')
+    text = text.replace("TORCH_LIBRARY_FRAGMENT(airserve_isa,", f"TORCH_LIBRARY({namespace}_isa,")
+    path = os.path.join(tempfile.gettempdir(), f"{namespace}.cpp")
+    with open(path, "w") as f:
+        f.write(text)
+    cpp_extension.load(name=namespace, sources=[path], extra_include_paths=[CSRC],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace).paged_decode_attention_cpu.default
+
+
+def resolve(op: str):
+    if op == "cpp" or op.startswith("cpp:"):
+        from airserve.srt.layers import cpu_kernels
+        from airserve.srt.layers.attention import torch_native_backend as tnb
+
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+        fn = torch.ops.airserve.paged_decode_attention_cpu.default
+        if op == "cpp":
+            return fn
+        isa = op[4:]
+
+        def with_isa(*args):
+            tnb.use_attention_isa(isa)
+            try:
+                return fn(*args)
+            finally:
+                tnb.use_attention_isa("auto")
+        return with_isa
+    if op == "torch":
+        from airserve.srt.layers.attention.torch_native_backend import paged_decode_attention
+        return paged_decode_attention
+    if op.startswith("git:"):
+        return load_source(subprocess.check_output(["git", "show", f"{op[4:]}:{SOURCE}"],
+                                                   text=True))
+    if op.startswith("file:"):
+        with open(op[5:]) as f:
+            return load_source(f.read())
+    raise SystemExit(f"--ops: unknown implementation {op!r} "
+                     "(cpp, cpp:ISA, torch, git:REV, file:PATH)")
+
+
+def make_args(bs: int, length: int, heads=9, kv_heads=3, dim=64) -> tuple:
+    """One decode call's arguments: every row `length` tokens long (the new one included)."""
+    g = torch.Generator().manual_seed(0)
+    slots = bs * length + 1
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g)
+    table = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32).view(bs, length)
+    loc = table[:, -1].to(torch.int64)
+    lens = torch.full((bs,), length, dtype=torch.int32)
+    q = torch.randn(bs, heads, dim, generator=g)
+    k, v = torch.randn(bs, kv_heads, dim, generator=g), torch.randn(bs, kv_heads, dim, generator=g)
+    return q, k, v, k_cache, v_cache, loc, table, lens, 1, dim ** -0.5
+
+
+@torch.inference_mode()
+def time_interleaved(ops: dict, args: tuple, seconds: float) -> dict[str, float]:
+    """Median microseconds per call of each op, calls taking turns, ~`seconds` in all."""
+    start = time.perf_counter()
+    for fn in ops.values():
+        fn(*args)
+    once = (time.perf_counter() - start) / len(ops)
+    repeats = max(7, min(300, int(seconds / max(once, 1e-6) / len(ops))))
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            t0 = time.perf_counter()
+            fn(*args)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", nargs="+", default=["git:main", "cpp"])
+    p.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--lens", type=int, nargs="+", default=[32, 256, 1024, 2048])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seconds", type=float, default=0.5, help="per configuration")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    ops = {name: resolve(name) for name in a.ops}
+    model, flags = host_cpu()
+    isa = next((f for f in ("avx512f", "avx2") if f in flags), "no avx2")
+    print(f"CPU: {model} ({isa})")
+    head = f"{'bs':>3} {'len':>5} {'thr':>3} " + " ".join(f"{n:>14}" for n in ops)
+    print(head + (f" {'speedup':>8}" if len(ops) > 1 else ""))
+    rows = []
+    for bs in a.bs:
+        for length in a.lens:
+            args = make_args(bs, length)
+            for threads in a.threads:
+                torch.set_num_threads(threads)
+                us = time_interleaved(ops, args, a.seconds)
+                first, last = us[a.ops[0]], us[a.ops[-1]]
+                rows.append({"bs": bs, "len": length, "threads": threads, "us": us,
+                             "speedup_last_vs_first": first / last})
+                line = f"{bs:>3} {length:>5} {threads:>3} " + " ".join(
+                    f"{us[n]:>14.1f}" for n in ops)
+                print(line + (f" {first / last:>7.2f}x" if len(ops) > 1 else ""), flush=True)
+            del args
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": model, "cpu_isa": isa, "ops": a.ops, "unit": "median us per call",
+                       "shape": "9 query heads, 3 KV heads, head dim 64, float32, page size 1",
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The C++ paged decode attention (csrc/decode_attention.cpp) against a float64 reference, on
+every instruction set this CPU offers: random batches and ragged lengths (lengths not multiples
+of the kernel's 8-token blocks or 64-token chunks), GQA group sizes 1/3/4, head sizes 64/128
+(and 40, which the vector loops leave to plain C++), pages of 1 and 16 with shuffled block
+tables, 1 and 2 threads (long rows are split over the threads and merged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.layers import cpu_kernels
+from airserve.srt.layers.attention import torch_native_backend as tnb
+
+# float32 kernel vs float64 reference: outputs are softmax averages of N(0, 1) values, so an
+# absolute bound; the kernel's own error measured here is ~5e-7.
+ATOL = 1e-5
+
+# (batch size, longest row, KV heads, group, head dim, page size, threads)
+CASES = [
+    (1, 2100, 3, 3, 64, 1, 2),  # the default model's heads, one long row split over threads
+    (1, 2047, 2, 4, 128, 16, 2),
+    (70, 300, 2, 1, 128, 16, 1),
+    (64, 260, 3, 3, 64, 1, 2),  # many ragged rows balanced over threads, a row cut in two
+    (5, 1030, 1, 3, 64, 16, 2),
+    (9, 77, 2, 4, 40, 1, 2),
+    (3, 9, 3, 1, 64, 1, 1),
+]
+
+
+def op():
+    if not cpu_kernels.available():
+        pytest.skip(f"C++ kernels not built: {cpu_kernels.unavailable_reason()}")
+    return torch.ops.airserve.paged_decode_attention_cpu.default
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request):
+    op()
+    if request.param not in tnb.attention_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    tnb.use_attention_isa(request.param)
+    yield request.param
+    tnb.use_attention_isa("auto")
+
+
+def make_case(bs, max_len, kv_heads, group, dim, page_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (bs,), generator=g, dtype=torch.int32)
+    lens[0] = max_len
+    width = -(-max_len // page_size) + 1  # one padding block past the longest row
+    pages = bs * width + 2
+    k_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
+    # Shuffled distinct pages (never page 0); the padding past each row is page 0.
+    table = (torch.randperm(pages - 1, generator=g)[:bs * width] + 1).to(torch.int32)
+    table = table.view(bs, width)
+    for b in range(bs):
+        table[b, -(-int(lens[b]) // page_size):] = 0
+    pos = (lens - 1).long()
+    loc = table[torch.arange(bs), pos // page_size].long() * page_size + pos % page_size
+    q = torch.randn(bs, kv_heads * group, dim, generator=g)
+    k = torch.randn(bs, kv_heads, dim, generator=g)
+    v = torch.randn(bs, kv_heads, dim, generator=g)
+    return q, k, v, k_cache, v_cache, loc, table, lens
+
+
+def reference(q, k_cache, v_cache, table, lens, page_size, scale):
+    """Attention of each row over its first lens[b] positions, in float64: [bs, H, D]."""
+    group = q.shape[1] // k_cache.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        slots = table[b, pos // page_size].long() * page_size + pos % page_size
+        keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        values = v_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "bs{}-L{}-kvh{}-g{}-d{}-p{}-t{}".format(*c))
+def test_matches_float64_reference_and_writes_only_out_cache_loc(isa, case):
+    bs, max_len, kv_heads, group, dim, page_size, threads = case
+    q, k, v, k_cache, v_cache, loc, table, lens = make_case(
+        bs, max_len, kv_heads, group, dim, page_size, seed=sum(case))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k[loc], expected_v[loc] = k, v
+    scale = dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = op()(q, k, v, k_cache, v_cache, loc, table, lens, page_size, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    expected = reference(q, k_cache, v_cache, table, lens, page_size, scale)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+
+def test_threads_split_long_rows_to_the_same_result(isa):
+    """A long row split over 2 threads (then merged) equals the 1-thread pass."""
+    args = make_case(1, 2100, 3, 3, 64, 1, seed=7)
+    outs = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outs.append(op()(*[a.clone() for a in args], 1, 0.125))
+        finally:
+            torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+def test_rejects_unknown_isa_and_pages_outside_the_pool():
+    o = op()
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        tnb.use_attention_isa("sse9")
+    q, k, v, k_cache, v_cache, loc, table, lens = make_case(1, 8, 1, 1, 64, 1, seed=0)
+    table[0, 2] = k_cache.shape[0]  # a page past the pool's end
+    with pytest.raises(RuntimeError, match="is not a page"):
+        o(q, k, v, k_cache, v_cache, loc, table, lens, 1, 0.125)
