@@ -123,12 +123,14 @@ class PagedAllocator:
             raise RuntimeError(f"need {len(new)} KV pages, {len(self._free_pages)} free")
         table = self.req_to_token
         if new:
-            pages = torch.tensor([self._free_pages.pop() for _ in new], dtype=torch.int32)
-            rows = torch.tensor([req_slots[i] for i in new], dtype=torch.int64)
-            starts = torch.tensor([cur_lens[i] for i in new], dtype=torch.int64)
-            span = torch.arange(p)
-            table[rows[:, None], starts[:, None] + span] = (
-                pages[:, None] * p + span.to(torch.int32)).to(table.device)
+            dev = table.device
+            pages = torch.tensor([self._free_pages.pop() for _ in new], dtype=torch.int32,
+                                 device=dev)
+            rows = torch.tensor([req_slots[i] for i in new], dtype=torch.int64, device=dev)
+            starts = torch.tensor([cur_lens[i] for i in new], dtype=torch.int64, device=dev)
+            span = torch.arange(p, device=dev)
+            table[rows[:, None], starts[:, None] + span] = pages[:, None] * p + span.to(
+                torch.int32)
         rows = torch.tensor(req_slots, dtype=torch.int64, device=table.device)
         cols = torch.tensor(cur_lens, dtype=torch.int64, device=table.device)
         return table[rows, cols].to(torch.int64)
