@@ -74,3 +74,35 @@ def test_kv_pool_is_zeroed_and_sized():
     assert all(int(b.abs().sum()) == 0 for b in kv.k_buffers + kv.v_buffers)
     assert kv.memory_bytes() == 2 * 2 * 20 * 2 * 8 * 4
     assert TokenToKVPool.bytes_per_token(2, 2, 8, torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_allocate_next_gives_what_allocate_gives_per_request(page):
+    """A decode step's slots in one call: the same pages, slots and table rows as one
+    `allocate(slot, n, n + 1)` per request, in order, including rows that start a new page."""
+    lens = [5, 8, 0, 3, 12]  # with page 4: positions 8, 0 and 12 open a new page
+    results = []
+    for batched in (False, True):
+        pool, alloc = make(num_pages=40, page=page, reqs=8, ctx=32)
+        slots = [pool.allocate() for _ in lens]
+        for s, n in zip(slots, lens):
+            if n:
+                alloc.allocate(s, 0, n)
+        if batched:
+            locs = alloc.allocate_next(slots, lens)
+        else:
+            locs = torch.cat([alloc.allocate(s, n, n + 1) for s, n in zip(slots, lens)])
+        assert locs.dtype == torch.int64
+        results.append((locs.tolist(), pool.req_to_token.clone(), alloc.available_pages()))
+    (locs_a, table_a, free_a), (locs_b, table_b, free_b) = results
+    assert locs_a == locs_b
+    assert torch.equal(table_a, table_b)
+    assert free_a == free_b
+
+
+def test_allocate_next_refuses_when_pages_run_out():
+    pool, alloc = make(num_pages=3, page=1)
+    slots = [pool.allocate() for _ in range(3)]
+    with pytest.raises(RuntimeError, match="need 3 KV pages, 2 free"):
+        alloc.allocate_next(slots, [0, 0, 0])
+    assert alloc.available_pages() == 2  # nothing taken

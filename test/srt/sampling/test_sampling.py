@@ -73,3 +73,19 @@ def test_banned_tokens_are_never_sampled():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=0)]
     assert sample(logits, params, [[]], [[]], [None], banned=[[0]]) != [0]
+
+
+def test_sample_never_writes_into_its_logits():
+    """The scheduler hands `sample` the forward's logits without a copy (a row-wise retry
+    after a failure reads them again): no parameter may change them."""
+    logits = torch.randn(5, 64)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, seed=2),
+              SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0, logit_bias={3: 5.0})]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    out = sample(logits, params, [[1, 2]] * 5, [[3, 3]] * 5, gens, banned=[[], [], [], [], [0]])
+    assert len(out) == 5
+    assert torch.equal(logits, before)

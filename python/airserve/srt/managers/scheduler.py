@@ -318,11 +318,11 @@ class Scheduler:
         )
 
     def _build_decode(self, reqs: list[Req]) -> ForwardBatch:
-        locs = [self.kv.grow(r, r.kv_len + 1) for r in reqs]
+        positions = [r.kv_len for r in reqs]
         return self.runner.make_forward_batch(
             ForwardMode.DECODE, input_ids=[r.output_ids[-1] for r in reqs],
-            positions=[r.kv_len for r in reqs], req_pool_indices=[r.req_pool_idx for r in reqs],
-            seq_lens=[r.kv_len + 1 for r in reqs], out_cache_loc=torch.cat(locs),
+            positions=positions, req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=[n + 1 for n in positions], out_cache_loc=self.kv.grow_decode(reqs),
         )
 
     # Results.

@@ -64,6 +64,14 @@ class KVManager:
         req.kv_alloc_len = max(req.kv_alloc_len, new_len)
         return slots
 
+    def grow_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """The KV slot of each request's next position (after `make_room`), in one go."""
+        slots = self.allocator.allocate_next([r.req_pool_idx for r in reqs],
+                                             [r.kv_len for r in reqs])
+        for req in reqs:
+            req.kv_alloc_len = max(req.kv_alloc_len, req.kv_len + 1)
+        return slots
+
     def pages_needed(self, req: Req, new_len: int) -> int:
         return self.allocator.pages_needed(req.kv_len, new_len)
 
