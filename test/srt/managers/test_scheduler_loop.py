@@ -8,7 +8,7 @@ from multiprocessing import Pipe
 
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.engine_core import EngineCore
-from airserve.srt.managers.scheduler_process import SchedulerLoop
+from airserve.srt.managers.scheduler_process import NON_STREAM_INTERVAL, SchedulerLoop
 from airserve.srt.server_args import ServerArgs
 
 NEW_TOKENS = 6
@@ -60,3 +60,39 @@ def test_the_loop_never_waits_for_messages_while_requests_run(tiny_llama_dir):
             finished = delta.finished_reason or finished
     assert tokens == NEW_TOKENS
     assert finished == {"type": "length", "length": NEW_TOKENS}
+
+
+def _deltas(tiny_llama_dir: str, stream: bool, new_tokens: int) -> list[io.ReqDelta]:
+    core = EngineCore(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1024,
+                                 max_running_requests=4))
+    req = io.GenerateReqInput("r1", [5, 6, 7, 8], {"max_new_tokens": new_tokens,
+                                                   "temperature": 0, "ignore_eos": True},
+                              stream=stream)
+    out_recv, out_send = Pipe(duplex=False)
+    SchedulerLoop(core, RecordingConn(core.scheduler, [req]), out_send, os.getppid()).run()
+    deltas = []
+    while out_recv.poll(0):
+        deltas += [d for d in out_recv.recv().deltas if d.new_output_ids or d.finished_reason]
+    return deltas
+
+
+def test_a_request_that_does_not_stream_gets_few_messages_and_all_its_tokens(tiny_llama_dir):
+    n = NON_STREAM_INTERVAL + 10
+    quiet = _deltas(tiny_llama_dir, stream=False, new_tokens=n)
+    streamed = _deltas(tiny_llama_dir, stream=True, new_tokens=n)
+    # The first token at once, one delta after NON_STREAM_INTERVAL more, then the last.
+    assert [len(d.new_output_ids) for d in quiet] == [1, NON_STREAM_INTERVAL,
+                                                      n - 1 - NON_STREAM_INTERVAL]
+    assert len(streamed) == n
+    for deltas in (quiet, streamed):
+        assert [t for d in deltas for t in d.new_output_ids] == \
+            [t for d in streamed for t in d.new_output_ids]
+        assert deltas[-1].finished_reason == {"type": "length", "length": n}
+        assert _text(deltas) == _text(streamed)
+
+
+def _text(deltas: list[io.ReqDelta]) -> str:
+    text = ""
+    for d in deltas:
+        text = text[:d.text_offset] + d.text
+    return text
