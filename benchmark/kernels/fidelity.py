@@ -12,8 +12,11 @@ agreement >= 98% and perplexity within 1% of float32:
 For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
 requantizing its dequantized weights: `gguf_quantize.SCHEMES`), the text (~2,000 tokens of the
 packaged GSM8K) is split into `--batch` sequences and fed teacher-forced through decode steps,
-so every linear layer runs in the packed kernels. Per configuration it reports top-1 agreement
-with the float32-activation run on the same weights, and both perplexities.
+so every linear layer runs in the packed kernels. Every position is a decode row, the first
+too (a decode step over a one-token context): extends multiply in float32 whatever
+--cpu-decode-activations says (Linear.forward), so a prefill there would hide int8 from the
+first position and its KV. Per configuration it reports top-1 agreement with the
+float32-activation run on the same weights, and both perplexities.
 Pass: agreement >= 98% and perplexity within 1%.
 
     python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
@@ -87,8 +90,10 @@ def weight_mib(model: torch.nn.Module) -> float:
 
 @torch.inference_mode()
 def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed `seqs` (equal lengths) one token per decode step. Returns the greedy token and the
-    log-probability of the true next token at every position but the last: [bs, len - 1]."""
+    """Feed `seqs` (equal lengths) one token per decode step, from position 0 (a decode row over
+    the one token just written: the packed products take the configured activations). Returns
+    the greedy token and the log-probability of the true next token at every position but the
+    last: [bs, len - 1]."""
     from airserve.srt.forward_batch import ForwardMode
 
     alloc, pool = runner.allocator, runner.req_to_token_pool
@@ -96,17 +101,9 @@ def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.T
     top1, logp = [], []
     for pos in range(len(seqs[0]) - 1):
         locs = torch.cat([alloc.allocate(s, pos, pos + 1) for s in slots])
-        ids = [s[pos] for s in seqs]
-        if pos == 0:  # a one-token prefill per sequence
-            fb = runner.make_forward_batch(
-                ForwardMode.EXTEND, input_ids=ids, positions=[0] * len(seqs),
-                req_pool_indices=slots, seq_lens=[1] * len(seqs), out_cache_loc=locs,
-                extend_seq_lens=[1] * len(seqs), extend_prefix_lens=[0] * len(seqs),
-                last_token_indices=list(range(len(seqs))))
-        else:
-            fb = runner.make_forward_batch(
-                ForwardMode.DECODE, input_ids=ids, positions=[pos] * len(seqs),
-                req_pool_indices=slots, seq_lens=[pos + 1] * len(seqs), out_cache_loc=locs)
+        fb = runner.make_forward_batch(
+            ForwardMode.DECODE, input_ids=[s[pos] for s in seqs], positions=[pos] * len(seqs),
+            req_pool_indices=slots, seq_lens=[pos + 1] * len(seqs), out_cache_loc=locs)
         logits = runner.forward(fb).float()
         nxt = torch.tensor([s[pos + 1] for s in seqs])
         top1.append(logits.argmax(-1))

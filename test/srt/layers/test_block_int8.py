@@ -124,7 +124,7 @@ def test_linear_without_float_weight(activations: str) -> None:
         torch.testing.assert_close(layer(x), ref_layer(x), atol=1e-5, rtol=1e-5)
     finally:
         linear.DEQUANT_CHUNK_VALUES = old
-    small, ref = layer(x[:3]), ref_layer(x[:3])
+    small, ref = layer(x[:3], decode=True), ref_layer(x[:3])  # decode rows: `activations`
     # int8: off by the activations' rounding, well under 1% of the output's norm.
     assert ((small - ref).norm() / ref.norm()).item() < (1e-6 if activations == "float32"
                                                           else 1e-2)
@@ -140,8 +140,11 @@ def test_packed_report_names_activations_and_instruction_set() -> None:
     a.attach_packed(any_packed("q4_k", 8, 256), 4, "int8", drop_weight=True)
     b.attach_packed(any_packed("q8_0", 8, 256), 4, "int8")
     report = packed_report([a, b, Linear(256, 8)])
+    # Extends multiply in float32 whatever the setting, so its instruction set is named too.
     assert report == {"cpu_decode_activations": "int8", "blocks_only_layers": 1,
-                      "int8_isa": block_matvec.int8_isa()}
+                      "activations_rule": "decode rows: int8 for q4_k/q8_0; extend rows: float32",
+                      "int8_isa": block_matvec.int8_isa(),
+                      "float32_isa": block_matvec.float32_isa()}
     b.packed_activations = "float32"
     report = packed_report([a, b])
     assert report["cpu_decode_activations"] == ["float32", "int8"]
@@ -154,11 +157,16 @@ def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
     layer = Linear(256, 40, bias=False)
     layer.attach_packed(any_packed(kind, 40, 256), 2, "int8", drop_weight=True)
     x = torch.randn(2, 256)
-    seen, out = compiled_calls(layer, x)
+    seen, out = compiled_calls(layer, x, True)  # decode rows
     assert seen == [torch.ops.airserve.block_matmul_int8]
-    torch.testing.assert_close(out, layer(x))
-    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
-    torch.testing.assert_close(inductor, layer(x))
+    torch.testing.assert_close(out, layer(x, decode=True))
+    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x, True)
+    torch.testing.assert_close(inductor, layer(x, decode=True))
+    # Extend rows (decode=False) compile to the float32 product.
+    seen, out = compiled_calls(layer, x)
+    assert seen == [torch.ops.airserve.q4_1_matmul if kind == "q4_1"
+                    else torch.ops.airserve.block_matmul_f32]
+    assert torch.equal(out, layer(x))
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -220,10 +228,12 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     x = torch.randn(2, 256)
     expected = torch.cat([packed_linear(x, parts[0], "int8"),
                           packed_linear(x, parts[1], "float32")], dim=-1)
-    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x, decode=True), expected)
     assert not torch.equal(packed_linear(x, parts[0], "int8"), packed_linear(x, parts[0]))
     report = packed_report([layer])
     assert report["cpu_decode_activations"] == "auto"
     assert report["activations_by_kind"] == {"q4_1": "int8", "q4_k": "float32"}
+    assert report["activations_rule"] == ("decode rows: int8 for q4_1, float32 for q4_k; "
+                                          "extend rows: float32")
     assert report["int8_isa"] == block_matvec.int8_isa()
     assert report["float32_isa"] == block_matvec.float32_isa()

@@ -41,8 +41,8 @@ def test_fidelity_metrics(report: dict) -> None:
 
 
 def test_default_activations_follow_the_fidelity_check(report: dict) -> None:
-    """"auto" takes int8 for a scheme's kinds only where the scheme passed; the default stays
-    float32 (see ServerArgs.cpu_decode_activations)."""
+    """"auto" (int8 for decode rows only) takes int8 for a scheme's kinds only where the scheme
+    passed; the default stays float32 (see ServerArgs.cpu_decode_activations)."""
     from airserve.srt.layers.quant.block_matvec import resolve_activations
     from airserve.srt.server_args import ServerArgs
 

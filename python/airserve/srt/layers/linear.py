@@ -2,7 +2,14 @@
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
 use (`quant.matmul_paths`: float32, bfloat16, w8a8_int8 or w8a8_int8_outliers; float32 by
 oneDNN over a reordered weight or by sgemm over the plain one). `Linear.path_for(rows)` is the
-one place that decides which product an input of `rows` rows takes."""
+one place that decides which product an input of `rows` rows takes.
+
+The packed products take the layer's `packed_activations` (int8 or float32) only for decode
+rows (`forward(x, decode=True)`: one new token per sequence); extend rows (a prefill, a chunk, a
+cached prompt's short tail, and every row of a mixed prefill + decode step, which share one
+product) always multiply with float32 activations, the same arithmetic as the dequantized
+float32 matmul that long extends take. So a prompt's first output token does not depend on how
+much of the prompt was cached."""
 
 from __future__ import annotations
 
@@ -48,7 +55,9 @@ class Linear(nn.Linear):
 
     packed_max_rows: int = 0  # inputs of at most this many rows use the packed weight
     packed_kinds: tuple[str, ...] = ()  # block kind of each segment, in output-row order
-    packed_activations: str = "float32"  # "int8" or "auto": see block_matvec.block_matmul
+    # Activations of the packed products for decode rows ("float32", "int8" or "auto": see
+    # block_matvec.block_matmul); extend rows always use float32.
+    packed_activations: str = "float32"
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
@@ -179,15 +188,22 @@ class Linear(nn.Linear):
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def activations_for(self, kind: str, decode: bool) -> str:
+        """The activations ("float32" or "int8") of the packed product of a `kind` segment:
+        `packed_activations` for decode rows, float32 for extend rows."""
+        return resolve_activations(self.packed_activations, kind) if decode else "float32"
+
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """x: [..., in_features]. `decode`: x holds decode rows (a ForwardMode.DECODE pass),
+        whose packed products use `packed_activations`; otherwise float32 activations."""
         if x.dim() != 2:
-            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        # The row count is static inside a captured graph, so the path is decided at capture.
+            return self.forward(x.reshape(-1, x.shape[-1]), decode).reshape(*x.shape[:-1], -1)
+        # The row count and `decode` are static inside a captured graph, so the path and the
+        # activations are decided at capture.
         path = self.path_for(x.shape[0])
         if path == "packed":
             x = x.contiguous()
-            outs = [block_matmul(x, kind, *self._segment(i),
-                                 resolve_activations(self.packed_activations, kind))
+            outs = [block_matmul(x, kind, *self._segment(i), self.activations_for(kind, decode))
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         elif path == "bfloat16":
@@ -249,7 +265,8 @@ def _has_no_weight(weight: torch.Tensor | None, packed_kind: str) -> bool:
 
 def packed_report(layers: list[Linear]) -> dict:
     """What /get_server_info's decode_kernels adds about the packed products of `layers`: the
-    activations they use, the instruction set of each, and how many hold no float32 weight."""
+    activations they use (`activations_rule`: which for decode rows, which for extends), the
+    instruction set of each, and how many hold no float32 weight."""
     from airserve.srt.layers.quant.block_matvec import float32_isa, int8_isa
 
     packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
@@ -258,14 +275,27 @@ def packed_report(layers: list[Linear]) -> dict:
               "blocks_only_layers": sum(m.float_source is None for m in packed)}
     resolved = {(kind, resolve_activations(m.packed_activations, kind))
                 for m in packed for kind in m.packed_kinds}
-    if "auto" in activations:  # what each kind's products use
+    if "auto" in activations:  # what each kind's products use for decode rows
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
-    activations = {a for _, a in resolved}
+    if packed:
+        report["activations_rule"] = activations_rule(resolved)
+    activations = {a for _, a in resolved} | ({"float32"} if packed else set())  # extends
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
     if "float32" in activations:
         report["float32_isa"] = float32_isa()
     return report
+
+
+def activations_rule(resolved: set[tuple[str, str]]) -> str:
+    """The rule in words, from (kind, decode activations) pairs, e.g. "decode rows: int8 for
+    q4_1, float32 for q8_0; extend rows: float32"."""
+    by_act: dict[str, list[str]] = {}
+    for kind, act in sorted(resolved):
+        by_act.setdefault(act, []).append(kind)
+    decode = ", ".join(f"{act} for {'/'.join(kinds)}" for act, kinds in sorted(by_act.items(),
+                       key=lambda item: item[0] != "int8"))
+    return f"decode rows: {decode}; extend rows: float32"
 
 
 def matmul_path_report(layers: list[Linear]) -> list[dict]:

@@ -92,5 +92,5 @@ class RowLinear(Linear):
         (packed,) = parts.values()
         return [packed_cols(packed, self.col0, self.in_features)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, decode))

@@ -106,7 +106,8 @@ class Attention(nn.Module):
                 fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         kv = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
+        decode = fb.forward_mode.is_decode()  # Linear.forward: int8 activations only here
+        q, k, v = self.qkv_proj(x, decode).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -114,7 +115,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), decode)
 
 
 class MLP(nn.Module):
@@ -128,9 +129,9 @@ class MLP(nn.Module):
                               for n in ("gate_proj", "up_proj")])
         self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, decode).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, decode)
 
 
 class DecoderLayer(nn.Module):
@@ -143,7 +144,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rope, fb):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), fb.forward_mode.is_decode())
 
 
 class LlamaModel(nn.Module):
@@ -184,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden[fb.logit_rows]
         elif fb.last_token_indices is not None and not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices]
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden, fb.forward_mode.is_decode()).float()
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[:, :self.config.vocab_size]

@@ -12,7 +12,8 @@ the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, f
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
 `activations="auto"` (opt-in; the server default is float32) picks per kind
-(`resolve_activations`).
+(`resolve_activations`). The server uses int8 for decode rows only: extend rows always take
+float32 (`Linear.forward`).
 
 If the operators cannot be built (no C++ compiler), `kernels_available()` says why once in the
 log and the model keeps using its float32 weights; the model runner reports which path it uses.

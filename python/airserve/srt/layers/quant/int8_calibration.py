@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from airserve.srt.forward_batch import ForwardMode
+
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TEXT = """\
@@ -81,7 +83,8 @@ def input_absmax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tens
     handles = [m.register_forward_pre_hook(lambda _, args, name=name: record(name, args[0]))
                for name, m in model.named_modules()
                if isinstance(m, Linear) and name != "lm_head"]
-    fb = SimpleNamespace(attn_backend=_CausalAttention())
+    # An extend pass: the packed products (if any) multiply in float32, as a prefill does.
+    fb = SimpleNamespace(attn_backend=_CausalAttention(), forward_mode=ForwardMode.EXTEND)
     step = model.model.rotary_emb.cos.shape[0]
     try:
         for start in range(0, len(token_ids), step):
