@@ -112,6 +112,20 @@ def mark_batch_dynamic(fb: ForwardBatch) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
+def batch_size_oblivious(enabled: bool):
+    """While compiling: a symbolic batch size may be 1. Without it dynamo assumes a dynamic size
+    is at least 2, guards the graph on that and compiles bs 1 again as its own static graph (the
+    slowest of the cold start's compiles); with it bs 1 takes the shared graph of its code path
+    when that graph's guards (the model's own size branches) hold for 1."""
+    import contextlib
+
+    import torch.fx.experimental._config as shape_config
+
+    if not enabled:
+        return contextlib.nullcontext()
+    return shape_config.patch(backed_size_oblivious=True)
+
+
 def has_symbolic_inputs(gm: torch.fx.GraphModule) -> bool:
     """dynamo traced `gm` with a symbolic size among its inputs."""
     return any(isinstance(n.meta.get("example_value"), torch.SymInt)
@@ -124,6 +138,9 @@ class CPUGraphRunner(GraphRunner):
     # Buckets above 1 share compiled graphs (batch dimension dynamic); False compiles one graph
     # per bucket with static shapes (benchmark/runners/replay_overhead.py compares the two).
     dynamic_batch = True
+    # With dynamic_batch: bs 1 may share the graph of the buckets on its code path instead of a
+    # static graph of its own (batch_size_oblivious); False gives bs 1 its own static graph.
+    share_bs1 = True
 
     def __init__(self, model_runner) -> None:
         configure_compile_cache(model_runner.runner_config.compile_cache_dir)
@@ -222,12 +239,13 @@ class CPUGraphRunner(GraphRunner):
         start = time.perf_counter()
         if self.step is None:
             self.step = self.compile_step()
-        if self.dynamic_batch and bs > 1:  # dynamo specializes size 1 anyway
+        if self.dynamic_batch and (bs > 1 or self.share_bs1):
             mark_batch_dynamic(fb)
         known = len(self.step_graphs)
         for graph in self.step_graphs:
             graph.outputs = None
-        self.step(fb)  # the dummy-slot writes of the all-padding batch are harmless
+        with batch_size_oblivious(self.dynamic_batch and self.share_bs1):
+            self.step(fb)  # the dummy-slot writes of the all-padding batch are harmless
         called = [g for g in self.step_graphs if g.outputs is not None]
         if len(self.step_graphs) - known > 1 or len(called) != 1:
             raise RuntimeError(f"expected one compiled graph to run the decode step, dynamo "
