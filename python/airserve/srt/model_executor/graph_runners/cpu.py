@@ -2,12 +2,16 @@
 without dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
-denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets above 1 are compiled with the
-batch dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes
-the same code path: with packed GGUF weights that is one graph for the buckets up to
-`--packed-decode-max-bs` and one above it, plus bs 1, which dynamo always specializes. A new
-graph is compiled only when dynamo's guards (a size branch in the model) ask for it; the report
-says how many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
+denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets are compiled with the batch
+dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes the
+same code path: with packed GGUF weights that is one graph for the buckets up to
+`--packed-decode-max-bs` and one above it. bs 1 shares its path's graph too (`share_bs1`:
+compiled with `backed_size_oblivious`, a symbolic size may be 1; dynamo otherwise guards every
+dynamic size >= 2 and compiles bs 1 as a static graph of its own, a third compile of ~45 s on 2
+cores). Each compile is mostly inductor's lowering and the C++ build of its ~11 distinct kernels
+(already two parallel compile workers); sharing graphs is what cuts start-up. A new graph is
+compiled only when dynamo's guards (a size branch in the model) ask for it; the report says how
+many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
 once (bucket_store.py) and a restart with the same model and flags loads it without dynamo or
 inductor's compile; a stale stored bucket is logged, counted in the report (`stale_buckets`)
 and compiled again.
