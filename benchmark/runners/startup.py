@@ -3,46 +3,86 @@
 Runs the model runner's start-up (model load, kernels, one compiled decode graph per bucket)
 twice in fresh processes on one new compile-cache directory: cold (empty cache), then warm
 (the buckets the cold run compiled and stored are loaded, see bucket_store.py). Prints seconds
-per phase and per bucket and which buckets were loaded or compiled; JSON with
-`--json`. Goals (issue 16): cold <= 60 s, warm <= 10 s.
+per phase and per bucket, which buckets were loaded or compiled, how many graphs, and the bs-1
+graph's replay time (median of direct calls on its static batch); JSON with `--json`.
+`--bs1-static` gives bs 1 its own static graph (CPUGraphRunner.share_bs1 = False), to compare.
+`--repeat N` runs the cold/warm pair N times. Goals (issue 16): cold <= 60 s, warm <= 10 s.
 
-    python benchmark/runners/startup.py [--max-bs 32] [--threads 2] [--json F]
+    python benchmark/runners/startup.py [--max-bs 32] [--threads 2] [--bs1-static] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 
-def child(max_bs: int, threads: int, cache_dir: str) -> None:
+def bs1_step_ms(gr, steps: int = 100) -> dict | None:
+    """Median and best ms of the bs-1 bucket's graph called directly on its static batch (the
+    best is the figure to compare on a busy machine)."""
+    import statistics
+
+    import torch
+
+    if 1 not in gr.buckets:
+        return None
+    if 1 not in gr.direct:  # a compiled bucket replays directly after one replay through dynamo
+        with torch.inference_mode():
+            gr.replay_bucket(1, gr.inputs.batches[1])
+    direct = gr.direct.get(1)
+    if direct is None:
+        return None
+    with torch.inference_mode():
+        direct()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            direct()
+        times.append(time.perf_counter() - t)
+    return {"median": round(1e3 * statistics.median(times), 3),
+            "min": round(1e3 * min(times), 3)}
+
+
+def child(max_bs: int, threads: int, cache_dir: str, bs1_static: bool) -> None:
     t0 = time.perf_counter()
+    from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.server_args import ServerArgs
+
+    CPUGraphRunner.share_bs1 = not bs1_static
 
     args = ServerArgs(enable_torch_compile=True, torch_compile_max_bs=max_bs,
                       num_threads=threads, compile_cache_dir=cache_dir)
     t_import = time.perf_counter() - t0
     runner = ModelRunner(args)
     gr = runner.graph_runner
+    total_s = time.perf_counter() - t0
     report = gr.report()
-    print(json.dumps({"total_s": time.perf_counter() - t0, "import_s": t_import,
+    print(json.dumps({"total_s": total_s, "import_s": t_import,
                       "capture_s": sum(gr.capture_seconds.values()),
                       "capture_seconds": gr.capture_seconds, "buckets": gr.buckets,
                       "buckets_loaded": report.get("buckets_loaded", []),
                       "buckets_compiled": report.get("buckets_compiled", gr.buckets),
-                      "stale_buckets": report.get("stale_buckets", {})}))
+                      "stale_buckets": report.get("stale_buckets", {}),
+                      "graphs_compiled": report.get("graphs_compiled"),
+                      "graphs_loaded": report.get("graphs_loaded"),
+                      "bs1_step_ms": bs1_step_ms(gr)}))
 
 
-def run_once(max_bs: int, threads: int, cache_dir: str) -> dict:
+def run_once(max_bs: int, threads: int, cache_dir: str, bs1_static: bool) -> dict:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", "--max-bs", str(max_bs),
-                          "--threads", str(threads), "--cache-dir", cache_dir],
-                         capture_output=True, text=True, check=True)
+    cmd = [sys.executable, __file__, "--child", "--max-bs", str(max_bs),
+           "--threads", str(threads), "--cache-dir", cache_dir]
+    out = subprocess.run(cmd + (["--bs1-static"] if bs1_static else []),
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"start-up child failed ({out.returncode}):\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0
     return result
@@ -52,24 +92,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-bs", type=int, default=32, help="--torch-compile-max-bs")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bs1-static", action="store_true",
+                   help="bs 1 compiles its own static graph (the previous default)")
+    p.add_argument("--repeat", type=int, default=1, help="cold/warm pairs, each on a new cache")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        return child(a.max_bs, a.threads, a.cache_dir)
+        return child(a.max_bs, a.threads, a.cache_dir, a.bs1_static)
     from airserve.srt.hardware import host_cpu
 
-    cache_dir = tempfile.mkdtemp(prefix="airserve-startup-")
     report = {"cpu": host_cpu()[0], "threads": a.threads, "max_bs": a.max_bs,
-              "note": "one run each; shared machine: figures are noisy"}
-    for kind in ("cold", "warm"):
-        r = report[kind] = run_once(a.max_bs, a.threads, cache_dir)
-        per = ", ".join(f"{bs}: {s:.1f}" for bs, s in sorted(
-            (int(k), v) for k, v in r["capture_seconds"].items()))
-        print(f"{kind}: process {r['process_s']:.1f} s, capture {r['capture_s']:.1f} s "
-              f"(per bucket: {per}; loaded {r['buckets_loaded']}, compiled "
-              f"{r['buckets_compiled']})", flush=True)
+              "bs1": "static graph" if a.bs1_static else "shared graph", "runs": [],
+              "note": "shared machine: figures are noisy"}
+    for _ in range(a.repeat):
+        cache_dir = tempfile.mkdtemp(prefix="airserve-startup-")
+        run = {}
+        for kind in ("cold", "warm"):
+            r = run[kind] = run_once(a.max_bs, a.threads, cache_dir, a.bs1_static)
+            per = ", ".join(f"{bs}: {s:.1f}" for bs, s in sorted(
+                (int(k), v) for k, v in r["capture_seconds"].items()))
+            print(f"{kind}: process {r['process_s']:.1f} s, in-process {r['total_s']:.1f} s, "
+                  f"capture {r['capture_s']:.1f} s (per bucket: {per}; loaded "
+                  f"{r['buckets_loaded']}, compiled {r['buckets_compiled']}, graphs compiled "
+                  f"{r['graphs_compiled']}); bs-1 step {r['bs1_step_ms']} ms", flush=True)
+        report["runs"].append(run)
+        shutil.rmtree(cache_dir, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -104,18 +104,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 fb: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        kv = self.num_kv_heads * self.head_dim
+        # Heads first, then split: the same views as splitting the features and reshaping each
+        # part, but no view of a strided tensor, which makes a compiled graph whose batch size
+        # may be 1 specialize on it (the CPU graph runner's bs 1 would need a graph of its own).
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         decode = fb.forward_mode.is_decode()  # Linear.forward: int8 activations only here
-        q, k, v = self.qkv_proj(x, decode).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, decode).unflatten(-1, (heads + 2 * kv_heads, self.head_dim))
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), decode)
+        return self.o_proj(out.flatten(1), decode)
 
 
 class MLP(nn.Module):

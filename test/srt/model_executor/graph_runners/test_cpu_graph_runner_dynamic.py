@@ -1,9 +1,10 @@
 """CPUGraphRunner buckets share compiled graphs (batch dimension dynamic): one compile serves
 every bucket on the same code path, and each bucket still equals eager.
 
-Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers and --packed-decode-max-bs 2: buckets 3 and 4 (above
-the limit, float32 matmuls) share one graph; bucket 2 (packed kernels) takes the other branch of
-the model and gets its own. Two compiles for three buckets, counted by dynamo itself.
+Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers and --packed-decode-max-bs 3: bucket 4 (above the
+limit, float32 matmuls) gets one graph; buckets 1, 2 and 3 (packed kernels) take the other branch
+of the model and share the other: bs 1 gets no static graph of its own. Two compiles for four
+buckets, counted by dynamo itself.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
 from airserve_testing import random_prompts, run_side_by_side, tiny_gguf_runners
 
 ATOL = 1e-4  # float32 on both sides; inductor reorders reductions
-PACKED_LIMIT = 2
-BUCKETS = (2, 3, 4)
+PACKED_LIMIT = 3
+BUCKETS = (1, 2, 3, 4)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,10 @@ def test_buckets_on_one_path_share_one_compile(runners):
     report = gr.report()
     assert report["graphs_compiled"] == 2
     assert report["buckets_compiled"] == list(BUCKETS)
-    assert gr.graphs[3] is gr.graphs[4]
-    assert gr.graphs[2] is not gr.graphs[3]
+    assert gr.graphs[1] is gr.graphs[2] is gr.graphs[3]  # bs 1 shares: no static graph
+    assert gr.graphs[3] is not gr.graphs[4]
     assert gr.graphs[3].symbolic  # compiled with a symbolic batch size
-    assert gr.capture_args[3] != gr.capture_args[4]  # called with each bucket's batch
+    assert gr.capture_args[1] != gr.capture_args[2]  # called with each bucket's batch
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 4])

@@ -2,12 +2,16 @@
 without dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
-denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets above 1 are compiled with the
-batch dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes
-the same code path: with packed GGUF weights that is one graph for the buckets up to
-`--packed-decode-max-bs` and one above it, plus bs 1, which dynamo always specializes. A new
-graph is compiled only when dynamo's guards (a size branch in the model) ask for it; the report
-says how many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
+denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets are compiled with the batch
+dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes the
+same code path: with packed GGUF weights that is one graph for the buckets up to
+`--packed-decode-max-bs` and one above it. bs 1 shares its path's graph too (`share_bs1`:
+compiled with `backed_size_oblivious`, a symbolic size may be 1; dynamo otherwise guards every
+dynamic size >= 2 and compiles bs 1 as a static graph of its own, a third compile of ~45 s on 2
+cores). Each compile is mostly inductor's lowering and the C++ build of its ~11 distinct kernels
+(already two parallel compile workers); sharing graphs is what cuts start-up. A new graph is
+compiled only when dynamo's guards (a size branch in the model) ask for it; the report says how
+many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
 once (bucket_store.py) and a restart with the same model and flags loads it without dynamo or
 inductor's compile; a stale stored bucket is logged, counted in the report (`stale_buckets`)
 and compiled again.
@@ -112,6 +116,20 @@ def mark_batch_dynamic(fb: ForwardBatch) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
+def batch_size_oblivious(enabled: bool):
+    """While compiling: a symbolic batch size may be 1. Without it dynamo assumes a dynamic size
+    is at least 2, guards the graph on that and compiles bs 1 again as its own static graph (the
+    slowest of the cold start's compiles); with it bs 1 takes the shared graph of its code path
+    when that graph's guards (the model's own size branches) hold for 1."""
+    import contextlib
+
+    import torch.fx.experimental._config as shape_config
+
+    if not enabled:
+        return contextlib.nullcontext()
+    return shape_config.patch(backed_size_oblivious=True)
+
+
 def has_symbolic_inputs(gm: torch.fx.GraphModule) -> bool:
     """dynamo traced `gm` with a symbolic size among its inputs."""
     return any(isinstance(n.meta.get("example_value"), torch.SymInt)
@@ -124,6 +142,9 @@ class CPUGraphRunner(GraphRunner):
     # Buckets above 1 share compiled graphs (batch dimension dynamic); False compiles one graph
     # per bucket with static shapes (benchmark/runners/replay_overhead.py compares the two).
     dynamic_batch = True
+    # With dynamic_batch: bs 1 may share the graph of the buckets on its code path instead of a
+    # static graph of its own (batch_size_oblivious); False gives bs 1 its own static graph.
+    share_bs1 = True
 
     def __init__(self, model_runner) -> None:
         configure_compile_cache(model_runner.runner_config.compile_cache_dir)
@@ -222,12 +243,13 @@ class CPUGraphRunner(GraphRunner):
         start = time.perf_counter()
         if self.step is None:
             self.step = self.compile_step()
-        if self.dynamic_batch and bs > 1:  # dynamo specializes size 1 anyway
+        if self.dynamic_batch and (bs > 1 or self.share_bs1):
             mark_batch_dynamic(fb)
         known = len(self.step_graphs)
         for graph in self.step_graphs:
             graph.outputs = None
-        self.step(fb)  # the dummy-slot writes of the all-padding batch are harmless
+        with batch_size_oblivious(self.dynamic_batch and self.share_bs1):
+            self.step(fb)  # the dummy-slot writes of the all-padding batch are harmless
         called = [g for g in self.step_graphs if g.outputs is not None]
         if len(self.step_graphs) - known > 1 or len(called) != 1:
             raise RuntimeError(f"expected one compiled graph to run the decode step, dynamo "
