@@ -51,7 +51,7 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "w8a8_int8": {"quantization": "w8a8_int8"},
     "w8a8_int8_outliers": {"quantization": "w8a8_int8_outliers"},
-    # Not matmul paths: the activations of the packed decode products (default "float32").
+    # Not matmul paths: the activations of the packed decode products (default "auto").
     "act-float32": {"cpu_decode_activations": "float32"},
     "act-int8": {"cpu_decode_activations": "int8"},
     "act-auto": {"cpu_decode_activations": "auto"},

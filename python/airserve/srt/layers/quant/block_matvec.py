@@ -11,7 +11,7 @@ Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KIN
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
-`activations="auto"` (opt-in; the server default is float32) picks per kind
+`activations="auto"` (the server default) picks per kind
 (`resolve_activations`). The server uses int8 for decode rows only: extend rows always take
 float32 (`Linear.forward`).
 
