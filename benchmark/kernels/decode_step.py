@@ -8,9 +8,11 @@ spells hit both alike). Prints the median milliseconds per step of each and thei
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +28,11 @@ def set_activations(model: torch.nn.Module, activations: str) -> None:
 
 
 @torch.inference_mode()
-def measure(runner, steps: int, prompt_len: int = 32) -> dict[str, float]:
+def interleaved_steps(runner, variants: dict[str, Callable[[], None]], steps: int,
+                      prompt_len: int = 32) -> dict:
+    """Prefill one prompt, then greedy bs-1 decode steps with each variant in turn (its
+    callable switches the runner to it before its step): median milliseconds per step of each
+    (`<name>_ms`) and the cached lengths at the start and the end."""
     from airserve.srt.forward_batch import ForwardMode
 
     slot = runner.req_to_token_pool.allocate()
@@ -38,10 +44,10 @@ def measure(runner, steps: int, prompt_len: int = 32) -> dict[str, float]:
         last_token_indices=[prompt_len - 1])
     token = int(runner.forward(fb).argmax(-1)[0])
     n = prompt_len
-    times: dict[str, list[float]] = {a: [] for a in ACTIVATIONS}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for step in range(steps + 2):  # two warm-up steps each
-        for act in ACTIVATIONS:
-            set_activations(runner.model, act)
+        for name, switch in variants.items():
+            switch()
             loc = runner.allocator.allocate(slot, n, n + 1)
             fb = runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=[token], positions=[n], req_pool_indices=[slot],
@@ -49,11 +55,18 @@ def measure(runner, steps: int, prompt_len: int = 32) -> dict[str, float]:
             t0 = time.perf_counter()
             token = int(runner.forward(fb).argmax(-1)[0])
             if step >= 2:
-                times[act].append((time.perf_counter() - t0) * 1e3)
+                times[name].append((time.perf_counter() - t0) * 1e3)
             n += 1
     runner.allocator.free(slot, n)
     runner.req_to_token_pool.free(slot)
-    return {f"{a}_ms": statistics.median(t) for a, t in times.items()}
+    return {f"{name}_ms": statistics.median(t) for name, t in times.items()} | {
+        "cached_tokens": [prompt_len, n]}
+
+
+def measure(runner, steps: int) -> dict:
+    return interleaved_steps(
+        runner, {a: functools.partial(set_activations, runner.model, a) for a in ACTIVATIONS},
+        steps)
 
 
 def main() -> None:
