@@ -83,8 +83,13 @@ def main() -> None:
     row["speedup"] = row["float32_ms"] / row["auto_ms"]
     print(f"bs 1 decode step, {a.threads} threads: float32 {row['float32_ms']:.2f} ms, auto "
           f"(int8 for Q4_1) {row['auto_ms']:.2f} ms, {row['speedup']:.2f}x")
-    if a.json:
-        with open(a.json, "w") as f:
+    write_row(a.json, row)
+
+
+def write_row(path: str | None, row: dict) -> None:
+    """The row as JSON at `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
             json.dump({**row, "note": "median of interleaved steps; shared machine"}, f, indent=1)
 
 

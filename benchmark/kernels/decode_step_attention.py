@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode_attention import resolve  # noqa: E402
-from decode_step import interleaved_steps  # noqa: E402
+from decode_step import interleaved_steps, write_row  # noqa: E402
 
 
 def measure(runner, ops: dict, steps: int) -> dict:
@@ -45,9 +44,7 @@ def main() -> None:
     row = {"threads": a.threads, "steps": a.steps, **measure(runner, ops, a.steps)}
     print(f"bs 1 decode step, {a.threads} threads, cached {row['cached_tokens']}: "
           f"{a.baseline} {row[a.baseline + '_ms']:.2f} ms, cpp {row['cpp_ms']:.2f} ms")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({**row, "note": "median of interleaved steps; shared machine"}, f, indent=1)
+    write_row(a.json, row)
 
 
 if __name__ == "__main__":
