@@ -46,7 +46,6 @@ DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_CHUNK, "cuda": 8192, "npu": 8
 # steps), random 128/128 at concurrency 64 -2.6% output tok/s. A trade of first-token latency
 # for smoother streams, so it is the user's choice, not the default.
 DEFAULT_CPU_DECODE_CHUNK = 128  # the size measured above, for users who want the trade
-DEFAULT_DECODE_CHUNKED_PREFILL_SIZE: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -336,14 +335,13 @@ class ServerArgs:
 
     @property
     def resolved_decode_chunked_prefill_size(self) -> int | None:
-        """Prefill tokens per step while requests decode; None when that budget is off (or
-        chunking is). The device default never exceeds a smaller --chunked-prefill-size."""
-        chunk = self.resolved_chunked_prefill_size
+        """Prefill tokens per step while requests decode; None when that budget is off (the
+        default on every device, or -1) or chunking is. `_check_decode_chunk` has refused a
+        budget above --chunked-prefill-size."""
         size = self.decode_chunked_prefill_size
-        if size is None:
-            size = DEFAULT_DECODE_CHUNKED_PREFILL_SIZE.get(self.device, -1)
-            size = size if size == -1 or chunk is None else min(size, chunk)
-        return None if size == -1 or chunk is None else size
+        if size in (None, -1) or self.resolved_chunked_prefill_size is None:
+            return None
+        return size
 
     @property
     def resolved_attention_backend(self) -> str:
