@@ -57,18 +57,31 @@ class Batch:
         self.tokens = runner.forward(fb).argmax(-1).tolist()
 
     def step(self) -> float:
+        """Seconds of the forward pass of one decode step."""
+        return self.timed_step()[1]
+
+    def timed_step(self) -> tuple[float, float, float]:
+        """One decode step: seconds of building its ForwardBatch (KV slots included), of the
+        forward pass, and of the forward pass plus the greedy pick."""
+        t0 = time.perf_counter()
         locs = [self.runner.allocator.allocate(s, n, n + 1)
                 for s, n in zip(self.slots, self.lens)]
         fb = self.runner.make_forward_batch(
             ForwardMode.DECODE, input_ids=self.tokens, positions=self.lens,
             req_pool_indices=self.slots, seq_lens=[n + 1 for n in self.lens],
             out_cache_loc=torch.cat(locs))
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         logits = self.runner.forward(fb)
-        elapsed = time.perf_counter() - t0
+        t2 = time.perf_counter()
         self.lens = [n + 1 for n in self.lens]
         self.tokens = logits.argmax(-1).tolist()
-        return elapsed
+        return t1 - t0, t2 - t1, time.perf_counter() - t1
+
+    def free(self) -> None:
+        """Give the requests' KV pages and slots back to the runner."""
+        for slot, n in zip(self.slots, self.lens):
+            self.runner.allocator.free(slot, n)
+            self.runner.req_to_token_pool.free(slot)
 
 
 def direct(a: argparse.Namespace, prompts: list[list[int]]) -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runners"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "throughput"))
 
@@ -62,36 +63,16 @@ def prompts(bs: int, seed: int = 0) -> list[list[int]]:
 @torch.inference_mode()
 def raw_step(runner, bs: int, steps: int) -> dict:
     """Median ms of make_forward_batch and of forward + argmax for `bs` rows decoding."""
-    from airserve.srt.forward_batch import ForwardMode
+    from bench_decode_step import Batch
 
-    batch = prompts(bs)
-    slots = [runner.req_to_token_pool.allocate() for _ in batch]
-    locs = [runner.allocator.allocate(slot, 0, PROMPT_LEN) for slot in slots]
-    fb = runner.make_forward_batch(
-        ForwardMode.EXTEND, input_ids=[t for ids in batch for t in ids],
-        positions=list(range(PROMPT_LEN)) * bs, req_pool_indices=slots,
-        seq_lens=[PROMPT_LEN] * bs, out_cache_loc=torch.cat(locs),
-        extend_seq_lens=[PROMPT_LEN] * bs, extend_prefix_lens=[0] * bs,
-        last_token_indices=[PROMPT_LEN * (i + 1) - 1 for i in range(bs)])
-    tokens = runner.forward(fb).argmax(-1).tolist()
-    lens = [PROMPT_LEN] * bs
+    batch = Batch(runner, prompts(bs))
     build, step = [], []
     for i in range(steps + 2):  # two warm-up steps
-        t0 = time.perf_counter()
-        locs = [runner.allocator.allocate(s, n, n + 1) for s, n in zip(slots, lens)]
-        fb = runner.make_forward_batch(
-            ForwardMode.DECODE, input_ids=tokens, positions=list(lens), req_pool_indices=slots,
-            seq_lens=[n + 1 for n in lens], out_cache_loc=torch.cat(locs))
-        t1 = time.perf_counter()
-        tokens = runner.forward(fb).argmax(-1).tolist()
-        t2 = time.perf_counter()
-        lens = [n + 1 for n in lens]
+        build_s, _, step_s = batch.timed_step()
         if i >= 2:
-            build.append(t1 - t0)
-            step.append(t2 - t1)
-    for slot, n in zip(slots, lens):
-        runner.allocator.free(slot, n)
-        runner.req_to_token_pool.free(slot)
+            build.append(build_s)
+            step.append(step_s)
+    batch.free()
     return {"build_ms": 1e3 * statistics.median(build), "step_ms": 1e3 * statistics.median(step)}
 
 
