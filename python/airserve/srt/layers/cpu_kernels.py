@@ -20,7 +20,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp")
+SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed_or_large.cpp")
 # Included by the sources: part of the build name.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_avx2.inc", "block_f32.h",
            "block_f32_rows.inc", "decode_attention_avx2.inc", "isa_select.h")

@@ -38,6 +38,7 @@ from airserve.srt.layers.quant.matmul_paths import (
     pack_int8,
     w8a8_linear,
 )
+from airserve.srt.layers.quant.packed_or_large import packed_or_large
 
 # Weight forms a Linear holds outside its parameters and buffers (oneDNN-reordered, fbgemm-packed
 # objects, reached by graphs through integer handles).
@@ -198,8 +199,12 @@ class Linear(nn.Linear):
         whose packed products use `packed_activations`; otherwise float32 activations."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1]), decode).reshape(*x.shape[:-1], -1)
-        # The row count and `decode` are static inside a captured graph, so the path and the
-        # activations are decided at capture.
+        # `decode` is static inside a captured graph, and so is the row count unless the graph
+        # is compiled for a symbolic batch size: then one operator picks the path per call.
+        if self.packed_max_rows and isinstance(x.shape[0], torch.SymInt):
+            out = packed_or_large(self, x, decode)
+            if out is not None:
+                return out
         path = self.path_for(x.shape[0])
         if path == "packed":
             x = x.contiguous()

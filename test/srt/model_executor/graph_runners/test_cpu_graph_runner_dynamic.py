@@ -1,10 +1,10 @@
-"""CPUGraphRunner buckets share compiled graphs (batch dimension dynamic): one compile serves
-every bucket on the same code path, and each bucket still equals eager.
+"""CPUGraphRunner buckets share one compiled graph (batch dimension dynamic), on both sides of
+the packed limit, and each bucket still equals eager on the path eager takes for it.
 
-Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers and --packed-decode-max-bs 3: bucket 4 (above the
-limit, float32 matmuls) gets one graph; buckets 1, 2 and 3 (packed kernels) take the other branch
-of the model and share the other: bs 1 gets no static graph of its own. Two compiles for four
-buckets, counted by dynamo itself.
+Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers (merged q/k/v of two block kinds) and
+--packed-decode-max-bs 3: buckets 1, 2 and 3 multiply with the packed kernels, bucket 4 with the
+float32 weights, all in one graph (airserve::packed_or_large picks the product per call): bs 1
+gets no static graph of its own. One compile for four buckets, counted by dynamo itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
-from airserve_testing import random_prompts, run_side_by_side, tiny_gguf_runners
+from airserve_testing import q4_1_decode_op, random_prompts, run_side_by_side, tiny_gguf_runners
 
 ATOL = 1e-4  # float32 on both sides; inductor reorders reductions
 PACKED_LIMIT = 3
@@ -28,17 +28,23 @@ def runners(tmp_path_factory):
     return graph, eager, dynamo_graph_count() - before
 
 
-def test_buckets_on_one_path_share_one_compile(runners):
+def test_every_bucket_shares_one_compile(runners):
     graph, _, dynamo_compiles = runners
     gr = graph.graph_runner
-    assert dynamo_compiles == 2  # dynamo's own count: one graph per code path
+    assert dynamo_compiles == 1  # dynamo's own count: no guard on the packed limit
     report = gr.report()
-    assert report["graphs_compiled"] == 2
+    assert report["graphs_compiled"] == 1
     assert report["buckets_compiled"] == list(BUCKETS)
-    assert gr.graphs[1] is gr.graphs[2] is gr.graphs[3]  # bs 1 shares: no static graph
-    assert gr.graphs[3] is not gr.graphs[4]
-    assert gr.graphs[3].symbolic  # compiled with a symbolic batch size
+    assert gr.graphs[1] is gr.graphs[2] is gr.graphs[3] is gr.graphs[4]  # bs 1 too
+    assert gr.graphs[4].symbolic  # compiled with a symbolic batch size
     assert gr.capture_args[1] != gr.capture_args[2]  # called with each bucket's batch
+
+
+def ops_run(fn) -> set[str]:
+    """Names of the airserve operators `fn` calls (compiled graphs call them too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("airserve::")}
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 4])
@@ -52,6 +58,11 @@ def test_each_bucket_of_a_shared_graph_matches_eager(runners, bs):
     torch.testing.assert_close(lg, le, atol=ATOL, rtol=0)
     assert torch.equal(tg, te)
     assert gr.bucket_for(bs) in gr.direct  # replayed without dynamo
+    # One more replay, profiled: the shared graph took this bucket's side of the limit.
+    ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
+    assert (q4_1_decode_op(graph) in ops) == (bs <= PACKED_LIMIT), ops
+    assert ("airserve::q8_0_matmul" in ops) == (bs <= PACKED_LIMIT), ops
+    assert "airserve::packed_or_large" in ops
     assert gr.recompiles_since_capture() == 0
     for r in reqs:
         r.release()

@@ -1,0 +1,67 @@
+"""One product for both sides of a layer's packed limit, chosen by the row count at run time.
+
+`Linear.forward` picks the packed block product for inputs of 1..`packed_max_rows` rows and the
+layer's large path above. In a graph compiled for a symbolic batch size that choice would be a
+guard on the size, so the buckets on each side would need a graph of their own (two inductor
+compiles at start-up). `airserve::packed_or_large` (csrc/packed_or_large.cpp) makes the same
+choice when it runs and calls the same operators, so one graph serves every bucket with each
+batch on the path eager code takes for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from airserve.srt.layers.quant.matmul_paths import INT8_PATHS
+
+if TYPE_CHECKING:
+    from airserve.srt.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()  # block kinds of the layers that decide at trace time, logged once
+
+_lib = torch.library.Library("airserve", "FRAGMENT")
+# kinds, activations: one per block segment, joined by ","; qs, d, m: the segments' fields.
+_lib.define("packed_or_large(Tensor x, int max_rows, str kinds, str activations, Tensor[] qs, "
+            "Tensor?[] d, Tensor?[] m, str path, int handle, Tensor? weight) -> Tensor")
+
+
+@torch.library.register_fake("airserve::packed_or_large")
+def _packed_or_large_fake(x, max_rows, kinds, activations, qs, d, m, path, handle, weight):
+    return x.new_empty(x.shape[0], sum(q.shape[0] for q in qs))
+
+
+def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | None:
+    """The large path of `layer` as the operator takes it (path, handle, weight), or None if it
+    cannot: a layer whose large path dequantizes its blocks a chunk at a time."""
+    if layer.large_path == "bfloat16":
+        return "bfloat16", -1, layer.weight_bf16
+    if layer.large_path in INT8_PATHS:
+        return "int8", layer.weight_int8.handle, None
+    if layer.weight_onednn is not None:
+        return "onednn", layer.weight_onednn.handle, None
+    if layer.weight is not None:
+        return "sgemm", -1, layer.weight
+    return None
+
+
+def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tensor | None:
+    """x @ w.T (+ bias) for a symbolic row count, on the path `layer.path_for(rows)` names, or
+    None where the operator cannot express it (a large path that dequantizes the blocks a chunk
+    at a time): the caller then decides at trace time (a guard on the size)."""
+    large = large_path_args(layer)
+    if large is None:
+        if layer.packed_kind not in _logged:
+            _logged.add(layer.packed_kind)
+            logger.info("%s layers without a float weight pick their product at trace time (a "
+                        "compiled graph per side of --packed-decode-max-bs)", layer.packed_kind)
+        return None
+    segments = [layer._segment(i) for i in range(len(layer.packed_kinds))]
+    out = torch.ops.airserve.packed_or_large(
+        x.contiguous(), layer.packed_max_rows, ",".join(layer.packed_kinds),
+        ",".join(layer.activations_for(kind, decode) for kind in layer.packed_kinds),
+        [s[0] for s in segments], [s[1] for s in segments], [s[2] for s in segments], *large)
+    return out if layer.bias is None else out + layer.bias
