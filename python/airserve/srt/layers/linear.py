@@ -199,9 +199,9 @@ class Linear(nn.Linear):
         whose packed products use `packed_activations`; otherwise float32 activations."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1]), decode).reshape(*x.shape[:-1], -1)
-        # `decode` is static inside a captured graph, and so is the row count unless the graph
-        # is compiled for a symbolic batch size: then one operator picks the path per call.
-        if self.packed_max_rows and isinstance(x.shape[0], torch.SymInt):
+        # `decode` is static inside a compiled graph, the row count may not be (a graph shared
+        # by batch sizes): there one operator picks the path per call, as path_for does.
+        if self.packed_max_rows and torch.compiler.is_compiling():
             out = packed_or_large(self, x, decode)
             if out is not None:
                 return out

@@ -49,7 +49,7 @@ def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | Non
 
 
 def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tensor | None:
-    """x @ w.T (+ bias) for a symbolic row count, on the path `layer.path_for(rows)` names, or
+    """x @ w.T (+ bias) in a compiled graph, on the path `layer.path_for(rows)` names, or
     None where the operator cannot express it (a large path that dequantizes the blocks a chunk
     at a time): the caller then decides at trace time (a guard on the size)."""
     large = large_path_args(layer)
