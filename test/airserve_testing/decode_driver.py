@@ -20,11 +20,12 @@ def make_runner(model_path: str, runner_from: ModelRunner | None = None, **kwarg
     return ModelRunner(args, model_config=runner_from.model_config, model=runner_from.model)
 
 
-def tiny_gguf_runners(directory: str, buckets: tuple[int, ...], packed_limit: int,
+def tiny_gguf_runners(directory: str, buckets: tuple[int, ...] | None, packed_limit: int,
                       reference: dict, **flags) -> tuple[ModelRunner, ModelRunner, ModelRunner]:
     """A tiny llama GGUF of packed block kinds written under `directory`, and three runners on
-    it: a CPU graph runner with `buckets` and an eager one, sharing one model loaded with
-    `flags`, and a reference runner loaded with `reference` flags instead."""
+    it: a CPU graph runner with `buckets` (None: the default schedule) and an eager one,
+    sharing one model loaded with `flags`, and a reference runner loaded with `reference` flags
+    instead."""
     import os
 
     import pytest

@@ -3,18 +3,18 @@ without dynamo.
 
 Default buckets are powers of two (1, 2, 4, ... up to `--torch-compile-max-bs`), not SGLang's
 denser schedule; `--cuda-graph-bs` still picks any sizes. Buckets are compiled with the batch
-dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket that takes the
-same code path: with packed GGUF weights that is one graph for the buckets up to
-`--packed-decode-max-bs` and one above it. bs 1 shares its path's graph too (`share_bs1`:
-compiled with `backed_size_oblivious`, a symbolic size may be 1; dynamo otherwise guards every
-dynamic size >= 2 and compiles bs 1 as a static graph of its own, a third compile of ~45 s on 2
-cores). Each compile is mostly inductor's lowering and the C++ build of its ~11 distinct kernels
-(already two parallel compile workers); sharing graphs is what cuts start-up. A new graph is
-compiled only when dynamo's guards (a size branch in the model) ask for it; the report says how
-many (`graphs_compiled`). With `--compile-cache-dir` every compiled graph is stored
-once (bucket_store.py) and a restart with the same model and flags loads it without dynamo or
-inductor's compile; a stale stored bucket is logged, counted in the report (`stale_buckets`)
-and compiled again.
+dimension dynamic (`dynamic_batch`), so one inductor compile serves every bucket: packed GGUF
+layers choose between their packed product (rows up to `--packed-decode-max-bs`) and their large
+path when the graph runs (`airserve::packed_or_large`), not by a guard on the size. bs 1 shares
+the graph too (`share_bs1`: compiled with `backed_size_oblivious`, a symbolic size may be 1;
+dynamo otherwise guards every dynamic size >= 2 and compiles bs 1 as a static graph of its own).
+A compile is mostly inductor's lowering and the C++ build of its ~11 distinct kernels (two
+parallel compile workers); with the default buckets on a 2-core AMD EPYC one compile instead of
+two roughly halves the cold start. A new graph is compiled only when dynamo's guards (a size
+branch in the model) ask for it; the report says how many (`graphs_compiled`). With
+`--compile-cache-dir` every compiled graph is stored once (bucket_store.py) and a restart with
+the same model and flags loads it without dynamo or inductor's compile; a stale stored bucket is
+logged, counted in the report (`stale_buckets`) and compiled again.
 
 Replay calls each bucket's compiled graph directly with the tensors (and the batch size) it was
 called with for that bucket (the model's weights, the KV buffers and the bucket's static batch,
