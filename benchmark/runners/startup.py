@@ -3,9 +3,9 @@
 Runs the model runner's start-up (model load, kernels, one compiled decode graph per bucket)
 twice in fresh processes on one new compile-cache directory: cold (empty cache), then warm
 (the buckets the cold run compiled and stored are loaded, see bucket_store.py). Prints seconds
-from launch to a ready runner (`ready_s`, the start-up figure), per phase and per bucket, which buckets were loaded or compiled, how many graphs, and the bs-1
-and largest buckets' replay times (median and best of direct calls on their static batches);
-JSON with `--json`.
+from launch to a ready runner (`ready_s`, the start-up figure), per phase and per bucket, which
+buckets were loaded or compiled, how many graphs, and the bs-1 and largest buckets' replay
+times (median and best of direct calls on their static batches); JSON with `--json`.
 `--bs1-static` gives bs 1 its own static graph (CPUGraphRunner.share_bs1 = False), to compare.
 `--repeat N` runs the cold/warm pair N times. Goals (issue 16): cold <= 60 s, warm <= 10 s.
 
