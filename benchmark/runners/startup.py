@@ -75,7 +75,7 @@ def child(max_bs: int, threads: int, cache_dir: str, bs1_static: bool) -> None:
                       "graphs_compiled": report.get("graphs_compiled"),
                       "graphs_loaded": report.get("graphs_loaded"),
                       "bs1_step_ms": step_ms(gr, 1),
-                      "max_bs_step_ms": step_ms(gr, max(gr.buckets), steps=30)}))
+                      "max_bs_step_ms": step_ms(gr, max(gr.buckets), steps=20)}))
 
 
 def run_once(max_bs: int, threads: int, cache_dir: str, bs1_static: bool) -> dict:
