@@ -80,8 +80,19 @@ at::Tensor packed_or_large(const at::Tensor& x, int64_t max_rows, const std::str
   return at::cat(outs, -1);
 }
 
+// One block segment (the common case): no lists to convert on the call.
+at::Tensor packed_or_large_1(const at::Tensor& x, int64_t max_rows, const std::string& kind,
+                             const std::string& activations, const at::Tensor& qs,
+                             const OptTensor& d, const OptTensor& m, const std::string& path,
+                             int64_t handle, const OptTensor& weight) {
+  const int64_t rows = x.size(0);
+  if (rows <= 0 || rows > max_rows) return large(x, path, handle, weight);
+  return packed(x, kind, activations, qs, d, m);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("packed_or_large", &packed_or_large);
+  lib.impl("packed_or_large_1", &packed_or_large_1);
 }
