@@ -1,11 +1,13 @@
 """airserve's C++ operators for the host CPU, built on first use and cached on disk by torch.
 
-`csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights)
+`csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights),
+`csrc/packed_or_large.cpp` (a layer's packed or large product, picked by the row count per call)
 and `csrc/decode_attention.cpp` (paged decode attention, float32) are compiled together for this
 CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
 and AVX2, and block_matvec.cpp its float32 products for AVX-512 and AVX2+FMA+F16C, through target
 options whatever this CPU is; each picks one at run time from the CPU's features. Their schemas
-are defined where they are used (`quant/block_matvec.py`, `attention/torch_native_backend.py`).
+are defined where they are used (`quant/block_matvec.py`, `quant/packed_or_large.py`,
+`attention/torch_native_backend.py`).
 Without a C++ compiler `available()` is False, says why once in the log, and the callers keep
 their plain-torch paths (the model runner reports which).
 """
