@@ -13,9 +13,10 @@ one after another (never two at once on the same cores), with the same thread co
   with --ov-python and the export directory with --ov-models).
 
 Per configuration: output tok/s over the W2 wall time, wall time, median TTFT of a lone 32-token
-prompt (a 1-token generation, after warm-up), peak RSS, and the share of requests whose greedy
-ids equal the first configuration's. Prints a table (ratios against the best OpenVINO GenAI
-configuration) and writes JSON.
+prompt (a 1-token generation, after warm-up), peak RSS (the engine's whole process tree,
+sampled from outside every 0.2 s from its start, load included; the same measure for every
+engine), and the share of requests whose greedy ids equal the first configuration's. Prints a
+table (ratios against the best OpenVINO GenAI configuration) and writes JSON.
 
     python benchmark/throughput/bench_w2.py --ov-python .venv-ovgenai/bin/python \
         --ov-models ~/.cache/airserve/ov_genai --output w2.json
@@ -191,8 +192,8 @@ def run_served(mode: str, job: dict, args: argparse.Namespace, log_dir: Path) ->
 
     server = Server(_flags(job["server_args"]), _free_port(), log_dir / f"server_{mode}.log")
     with server:
+        rss = _PeakRss(server.proc.pid)  # from spawn, as for the offline workers: load included
         load_s = server.wait_ready(args.startup_timeout)
-        rss = _PeakRss(server.proc.pid)
         greedy = {"temperature": 0.0, "ignore_eos": True}
         lone = {"input_ids": job["lone_prompt"], "sampling_params": dict(greedy, max_new_tokens=1)}
         _post_all(server.url, [dict(lone, sampling_params=dict(greedy, max_new_tokens=8))])
@@ -216,14 +217,30 @@ def run_served(mode: str, job: dict, args: argparse.Namespace, log_dir: Path) ->
 # ---- driver -------------------------------------------------------------------------------
 
 def run_child(cmd: list[str], job: dict, tmp: Path, name: str, timeout: float) -> dict:
+    """Run one worker process on `job`; its result gains `peak_rss_mb`, the peak RSS of the
+    worker and its children sampled from outside (the same measure for every engine)."""
     job_file, out_file = tmp / f"{name}.job.json", tmp / f"{name}.out.json"
+    log_file = tmp / f"{name}.log"
     job_file.write_text(json.dumps(job))
-    proc = subprocess.run([*cmd, str(job_file), str(out_file)], timeout=timeout,
-                          capture_output=True, text=True)
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen([*cmd, str(job_file), str(out_file)], stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        rss = _PeakRss(proc.pid)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            peak = rss.stop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if proc.returncode != 0 or not out_file.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-    return json.loads(out_file.read_text())
+    result = json.loads(out_file.read_text())
+    # The worker's own figure (getrusage: this process only, not its compile workers).
+    result["peak_rss_self_mb"] = result.pop("peak_rss_mb", None)
+    result["peak_rss_mb"] = peak
+    return result
 
 
 def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path) -> dict:
@@ -269,8 +286,9 @@ def print_table(rows: list[dict], cpu: str) -> None:
             print(f"| {r['config']} | failed: {r['error'].splitlines()[0][:80]} |||||| ")
             continue
         ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
+        rss = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
         print(f"| {r['config']} | {r['output_tok_s']:.1f} | {ratio} | {r['wall_s']:.1f} | "
-              f"{r['ttft_lone_ms']:.0f} | {r['peak_rss_mb']:.0f} | {r['same_ids']:.2f} |")
+              f"{r['ttft_lone_ms']:.0f} | {rss} | {r['same_ids']:.2f} |")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,25 +60,30 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotary position tables; `forward(positions)` looks them up once per model pass for
+    every layer, `apply_rotary` rotates each layer's q and k with them."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, rope_inv_freq(cfg))
-        # [max_positions, head_dim // 2] each; not saved with the weights.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # [max_positions, head_dim] each, not saved with the weights: cos twice, and sin with
+        # the sign the first half takes (rotate_half convention, HF Llama), so a rotation is
+        # x * cos + swap_halves(x) * sin: the same float32 values as (x1 cos - x2 sin,
+        # x2 cos + x1 sin), in one product per table.
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, KVH, D]; rotate_half convention (HF Llama).
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for positions [T] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by the tables of `RotaryEmbedding.forward`, in float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -102,8 +107,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 fb: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden]; `rotary`: the pass's (cos, sin) from RotaryEmbedding.forward."""
         # Heads first, then split: the same views as splitting the features and reshaping each
         # part, but no view of a strided tensor, which makes a compiled graph whose batch size
         # may be 1 specialize on it (the CPU graph runner's bs 1 would need a graph of its own).
@@ -113,7 +119,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
         return self.o_proj(out.flatten(1), decode)
 
@@ -142,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, fb):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, fb)
+    def forward(self, x, rotary, fb):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, fb)
         return x + self.mlp(self.post_attention_layernorm(x), fb.forward_mode.is_decode())
 
 
@@ -158,8 +164,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, fb):
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions)  # one lookup for every layer
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, fb)
+            x = layer(x, rotary, fb)
         return self.norm(x)
 
 

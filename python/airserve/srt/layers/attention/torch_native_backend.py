@@ -137,26 +137,66 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_cache = fb.kv_cache.v_buffers[layer_id]
         k_cache.index_copy_(0, fb.out_cache_loc, k.to(k_cache.dtype))
         v_cache.index_copy_(0, fb.out_cache_loc, v.to(v_cache.dtype))
-        req_to_token = self.allocator.req_to_token
         out = torch.empty_like(q)
-        start = 0
+        starts = _row_starts(fb.extend_seq_lens_cpu)
+        # Rows without a cached prefix see only their own new tokens: the ones of equal length
+        # run as one causal product over k and v as given (no gather from the cache).
+        fresh: dict[int, list[int]] = {}
         for i in range(fb.batch_size):
-            prefix = fb.extend_prefix_lens_cpu[i]
-            new = fb.extend_seq_lens_cpu[i]
-            total = prefix + new
-            slots = req_to_token[fb.req_pool_indices[i], :total].to(torch.int64)
-            keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, total, D]
-            values = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            query = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
-            # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
-            mask = None
-            if prefix:
-                rows = torch.arange(new, device=q.device)[:, None] + prefix
-                mask = torch.arange(total, device=q.device)[None, :] <= rows
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query.to(keys.dtype), keys, values, attn_mask=mask, is_causal=mask is None,
-                scale=scale, enable_gqa=True,
-            )
-            out[start:start + new] = o[0].transpose(0, 1).to(q.dtype)
-            start += new
+            if fb.extend_prefix_lens_cpu[i] == 0:
+                fresh.setdefault(fb.extend_seq_lens_cpu[i], []).append(i)
+            else:
+                self._extend_row(q, k_cache, v_cache, out, fb, i, starts[i], scale)
+        for new, rows in fresh.items():
+            _causal_rows(q, k, v, out, [starts[i] for i in rows], new, scale, k_cache.dtype)
         return out
+
+    def _extend_row(self, q, k_cache, v_cache, out, fb: ForwardBatch, i: int, start: int,
+                    scale: float) -> None:
+        """Row i's new tokens over its cached prefix and themselves (keys from the cache)."""
+        prefix = fb.extend_prefix_lens_cpu[i]
+        new = fb.extend_seq_lens_cpu[i]
+        total = prefix + new
+        slots = self.allocator.req_to_token[fb.req_pool_indices[i], :total].to(torch.int64)
+        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, total, D]
+        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        query = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
+        # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
+        rows = torch.arange(new, device=q.device)[:, None] + prefix
+        mask = torch.arange(total, device=q.device)[None, :] <= rows
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query.to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + new] = o[0].transpose(0, 1).to(q.dtype)
+
+
+def _row_starts(lens: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in lens:
+        starts.append(total)
+        total += n
+    return starts
+
+
+def _causal_rows(q, k, v, out, starts: list[int], new: int, scale: float,
+                 kv_dtype: torch.dtype) -> None:
+    """Causal attention of rows of `new` tokens each (token offsets `starts` in q/k/v) over
+    their own tokens only, as one batched product; written into `out`."""
+    def gather(t: torch.Tensor) -> torch.Tensor:  # [T, heads, D] -> [rows, heads, new, D]
+        if len(starts) == 1:
+            part = t[starts[0]:starts[0] + new].unsqueeze(0)
+        elif starts == [starts[0] + j * new for j in range(len(starts))]:  # adjacent rows
+            part = t[starts[0]:starts[0] + len(starts) * new].unflatten(0, (len(starts), new))
+        else:
+            part = torch.stack([t[s:s + new] for s in starts])
+        return part.transpose(1, 2)
+
+    # The keys as the cache holds them (its dtype), as the gathered path reads them.
+    keys, values = gather(k.to(kv_dtype)), gather(v.to(kv_dtype))
+    o = torch.nn.functional.scaled_dot_product_attention(
+        gather(q).to(kv_dtype), keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2).to(q.dtype)  # [rows, new, H, D]
+    if len(starts) > 1 and starts != [starts[0] + j * new for j in range(len(starts))]:
+        for j, s in enumerate(starts):
+            out[s:s + new] = o[j]
+    else:
+        out[starts[0]:starts[0] + len(starts) * new] = o.flatten(0, 1)
