@@ -140,9 +140,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = self.allocator.req_to_token
         out = torch.empty_like(q)
         start = 0
+        one_token_rows, one_token_at = [], []  # rows adding one token after a cached prefix
         for i in range(fb.batch_size):
             prefix = fb.extend_prefix_lens_cpu[i]
             new = fb.extend_seq_lens_cpu[i]
+            if new == 1 and prefix:
+                one_token_rows.append(i)
+                one_token_at.append(start)
+                start += 1
+                continue
             total = prefix + new
             slots = req_to_token[fb.req_pool_indices[i], :total].to(torch.int64)
             keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, total, D]
@@ -159,4 +165,21 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             out[start:start + new] = o[0].transpose(0, 1).to(q.dtype)
             start += new
+        if one_token_rows:
+            self._one_token_rows(q, k, v, k_cache, v_cache, out, one_token_rows, one_token_at,
+                                 scale, fb)
         return out
+
+    def _one_token_rows(self, q, k, v, k_cache, v_cache, out, rows: list[int],
+                        at: list[int], scale: float, fb: ForwardBatch) -> None:
+        """The rows of an extend batch that add one token after a cached prefix (the decode
+        rows of a mixed batch) attend in one decode call, as in a decode step, not one
+        gather + attention per row. `at[j]` is row `rows[j]`'s token in q/k/v/out."""
+        device = q.device
+        tokens = torch.tensor(at, dtype=torch.int64, device=device)
+        row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
+        block_table = self.allocator.block_table(fb.req_pool_indices[row_ids], self.max_blocks)
+        op = decode_attention_op(q, k_cache, self.cpp_built)
+        o = op(q[tokens], k[tokens], v[tokens], k_cache, v_cache, fb.out_cache_loc[tokens],
+               block_table, fb.seq_lens[row_ids], fb.kv_cache.page_size, scale)
+        out.index_copy_(0, tokens, o.to(out.dtype))
