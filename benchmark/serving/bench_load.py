@@ -16,6 +16,9 @@ the table. Workloads:
 
 Columns: output tok/s, TTFT p50/p99, ITL p50/p99 (ms), the cache hit rate of the run, and
 for gsm8k the accuracy and whether greedy answers equal those of the first configuration.
+Under the table, the Poisson run's steps: mean ms per step of each kind (decode, prefill,
+mixed) and band of decode rows, from the server's step spans (every workload's are in the
+JSON as `step_spans`).
 
 Usage (the full run; on an otherwise idle machine):
     python benchmark/serving/bench_load.py --output-dir load_results
