@@ -16,6 +16,9 @@ the table. Workloads:
 
 Columns: output tok/s, TTFT p50/p99, ITL p50/p99 (ms), the cache hit rate of the run, and
 for gsm8k the accuracy and whether greedy answers equal those of the first configuration.
+Under the table, the Poisson run's steps: mean ms per step of each kind (decode, prefill,
+mixed) and band of decode rows, from the server's step spans (every workload's are in the
+JSON as `step_spans`).
 
 Usage (the full run; on an otherwise idle machine):
     python benchmark/serving/bench_load.py --output-dir load_results
@@ -39,6 +42,7 @@ from compare_runners import ModeFailed, Server, get_json  # noqa: E402
 
 from airserve import bench_serving  # noqa: E402
 from airserve.benchmark.datasets import load_tokenizer  # noqa: E402
+from airserve.srt.managers import step_spans  # noqa: E402
 from airserve.test import few_shot_gsm8k  # noqa: E402
 
 # Name -> server flags. The first one is the reference for the answer check and the
@@ -73,8 +77,8 @@ def flush(server: Server) -> None:
         pass
 
 
-def cache_stats(server: Server) -> dict:
-    return get_json(server.url + "/get_server_info")["stats"]["prefix_cache"]
+def server_stats(server: Server) -> dict:
+    return get_json(server.url + "/get_server_info")["stats"]
 
 
 def hit_rate(before: dict, after: dict) -> float:
@@ -151,12 +155,16 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
                 argv = argv + ["--request-rate", f"{state['rate']:.4f}"]
             print(f"\n--- {name}: {workload} ---", flush=True)
             flush(server)
-            before = cache_stats(server)
+            before = server_stats(server)
             if workload == "gsm8k":
                 row = gsm8k(server, args, out_dir / f"gsm8k_{name}.json")
             else:
                 row = bench(server, tokenizer, argv)
-            row["cache_hit_rate"] = hit_rate(before, cache_stats(server))
+            after = server_stats(server)
+            row["cache_hit_rate"] = hit_rate(before["prefix_cache"], after["prefix_cache"])
+            # Where this workload's steps went, by kind and decode rows (step_spans.py).
+            row["step_spans"] = step_spans.summary(
+                step_spans.diff(after["step_spans"], before["step_spans"]))
             record["workloads"][workload] = row
             server.check_alive()
         info = get_json(server.url + "/get_server_info")
@@ -196,7 +204,20 @@ def markdown(records: dict, check: dict) -> str:
                     f"{row[c]:.0f}" for c in COLUMNS[1:]] + [f"{row['cache_hit_rate']:.0%}", ""]
             lines.append(f"| {workload} | {name} | " + " | ".join(cells) + " |")
     errors = [f"- {n}: {r['error']}" for n, r in records.items() if r.get("error")]
-    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+    return "\n".join(lines + spans_table(records) + ([""] + errors if errors else [])) + "\n"
+
+
+def spans_table(records: dict, workload: str = "poisson") -> list[str]:
+    """Mean per-step spans (ms) of one workload's steps, by kind and running requests."""
+    lines = ["", f"Steps of the {workload} run (mean ms per step):", "",
+             "| config | step | decode rows | steps | prompt tokens | schedule | forward | "
+             "process |", "|" + "---|" * 8]
+    for name, rec in records.items():
+        for s in rec["workloads"].get(workload, {}).get("step_spans", []):
+            lines.append(f"| {name} | {s['kind']} | {s['decode_rows']} | {s['steps']} | "
+                         f"{s['mean_prefill_tokens']:.0f} | {s['schedule_ms']} | "
+                         f"{s['forward_ms']} | {s['process_ms']} |")
+    return lines if len(lines) > 5 else []
 
 
 def build_parser() -> argparse.ArgumentParser:

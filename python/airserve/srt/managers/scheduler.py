@@ -28,6 +28,7 @@ from airserve.srt.managers import isolation, logprob_rows
 from airserve.srt.managers.grammar_queue import GrammarQueue
 from airserve.srt.managers.req import Req
 from airserve.srt.managers.schedule_policy import PrefillAdder, PrefillBudget, SchedulePolicy
+from airserve.srt.managers.step_spans import StepSpans
 from airserve.srt.mem_cache.kv_manager import KVManager
 from airserve.srt.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from airserve.srt.model_executor.model_runner import ModelRunner
@@ -39,8 +40,9 @@ GRAMMAR_WAIT_S = 0.02  # an idle step waits this long for a compiling grammar
 
 @dataclass
 class ScheduledBatch:
-    reqs: list[Req]
+    reqs: list[Req]  # prefill rows first, then the decode rows
     fb: ForwardBatch
+    decode_rows: int = 0  # running requests that decode one token in this step
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Scheduler:
                       # Prefill steps the decode budget cut short; decode steps run between
                       # two prefill steps while prefill work waited.
                       "prefill_budget_limited_steps": 0, "interleaved_decode_steps": 0}
+        self.spans = StepSpans()
 
     # Requests in and out.
     def check_request(self, input_ids: list[int], max_new_tokens: int) -> None:
@@ -170,11 +173,17 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward pass if there is work; return the requests that progressed."""
         self._admit_compiled()
+        t0 = time.perf_counter()
         batch = self.next_batch()
         updated: list[Req] = []
         if batch is not None:
+            t1 = time.perf_counter()
             rows, logits = isolation.forward_isolated(self, batch)
+            t2 = time.perf_counter()
             updated = self.process(batch, logits, rows)
+            prefill = batch.reqs[:len(batch.reqs) - batch.decode_rows]
+            self.spans.record(batch.decode_rows, len(prefill), sum(r.extend_len for r in prefill),
+                              t1 - t0, t2 - t1, time.perf_counter() - t2)
         updated.extend(r for r in self._finished if r not in updated)
         self._finished = []
         return updated
@@ -249,7 +258,8 @@ class Scheduler:
             return None
         for req in self.running:
             req.extend_len = 1
-        return ScheduledBatch(list(self.running), self._build_decode(self.running))
+        return ScheduledBatch(list(self.running), self._build_decode(self.running),
+                              decode_rows=len(self.running))
 
     def _mixed_batch(self, prefill: PrefillAdder) -> ScheduledBatch:
         """Prefill rows, then every running request as a one-token extend. Eager by nature (the
@@ -263,7 +273,7 @@ class Scheduler:
             locs.append(self.kv.grow(req, req.kv_len + 1))
         reqs = prefill.reqs + self.running
         self.stats["mixed_steps"] += 1
-        return ScheduledBatch(reqs, self._build_extend(reqs, locs))
+        return ScheduledBatch(reqs, self._build_extend(reqs, locs), decode_rows=len(self.running))
 
     def _make_room_for_decode(self) -> bool:
         """Free pages for one more token of every running request: evict cached pages first,

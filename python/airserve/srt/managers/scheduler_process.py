@@ -236,6 +236,7 @@ class SchedulerLoop:
             **self.scheduler.stats,
             "decode_chunked_prefill_size": self.scheduler.config.decode_chunked_prefill_size,
             "prefix_cache": self.scheduler.cache_report(),
+            "step_spans": self.scheduler.spans.report(),
         }
 
     def call_server_info(self) -> dict:

@@ -142,13 +142,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Rows without a cached prefix see only their own new tokens: the ones of equal length
         # run as one causal product over k and v as given (no gather from the cache).
         fresh: dict[int, list[int]] = {}
+        one_token_rows = []  # rows adding one token after a cached prefix
         for i in range(fb.batch_size):
-            if fb.extend_prefix_lens_cpu[i] == 0:
-                fresh.setdefault(fb.extend_seq_lens_cpu[i], []).append(i)
+            prefix, new = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
+            if prefix == 0:
+                fresh.setdefault(new, []).append(i)
+            elif new == 1:
+                one_token_rows.append(i)
             else:
                 self._extend_row(q, k_cache, v_cache, out, fb, i, starts[i], scale)
         for new, rows in fresh.items():
             _causal_rows(q, k, v, out, [starts[i] for i in rows], new, scale, k_cache.dtype)
+        if one_token_rows:
+            self._one_token_rows(q, k, v, k_cache, v_cache, out, one_token_rows,
+                                 [starts[i] for i in one_token_rows], scale, fb)
         return out
 
     def _extend_row(self, q, k_cache, v_cache, out, fb: ForwardBatch, i: int, start: int,
@@ -167,6 +174,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         o = torch.nn.functional.scaled_dot_product_attention(
             query.to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + new] = o[0].transpose(0, 1).to(q.dtype)
+
+    def _one_token_rows(self, q, k, v, k_cache, v_cache, out, rows: list[int],
+                        at: list[int], scale: float, fb: ForwardBatch) -> None:
+        """The rows of an extend batch that add one token after a cached prefix (the decode
+        rows of a mixed batch) attend in one decode call, as in a decode step, not one
+        gather + attention per row. `at[j]` is row `rows[j]`'s token in q/k/v/out."""
+        device = q.device
+        tokens = torch.tensor(at, dtype=torch.int64, device=device)
+        row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
+        block_table = self.allocator.block_table(fb.req_pool_indices[row_ids], self.max_blocks)
+        op = decode_attention_op(q, k_cache, self.cpp_built)
+        o = op(q[tokens], k[tokens], v[tokens], k_cache, v_cache, fb.out_cache_loc[tokens],
+               block_table, fb.seq_lens[row_ids], fb.kv_cache.page_size, scale)
+        out.index_copy_(0, tokens, o.to(out.dtype))
 
 
 def _row_starts(lens: list[int]) -> list[int]:
