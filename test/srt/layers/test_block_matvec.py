@@ -143,10 +143,17 @@ def test_linear_rejects_a_packed_weight_of_another_shape() -> None:
 
 def test_compiled_graph_calls_the_kernel_in_place() -> None:
     """Under torch.compile (fullgraph) the kernel is one node of the graph, not a break."""
-    layer, _ = make_linear("q8_0", False, max_rows=2)
+    layer, packed = make_linear("q8_0", False, max_rows=2)
     x = torch.randn(2, 64)
     seen, out = compiled_calls(layer, x)
-    assert seen == [torch.ops.airserve.q8_0_matmul]  # the whole layer, in one op
+    # A layer that keeps a float weight picks packed or large per call (test_packed_or_large).
+    assert seen == [torch.ops.airserve.packed_or_large_1]  # the whole layer, in one op
+    torch.testing.assert_close(out, layer(x))
+    # Without a float weight the path is decided at trace time: the packed kernel itself.
+    packed_only = Linear(64, 40, bias=False)
+    packed_only.attach_packed(packed, 2, drop_weight=True)
+    seen, out = compiled_calls(packed_only, x)
+    assert seen == [torch.ops.airserve.q8_0_matmul]
     torch.testing.assert_close(out, layer(x))
     inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x)
     torch.testing.assert_close(inductor, layer(x))

@@ -37,6 +37,7 @@ def test_every_bucket_shares_one_compile(runners):
     assert gr.buckets == BUCKETS
     assert report["graphs_compiled"] == 1
     assert report["buckets_compiled"] == BUCKETS
+    assert report["cpp_wrapper"] is True  # the generated wrapper is C++ (no Python per op)
     assert len({id(gr.graphs[bs]) for bs in BUCKETS}) == 1  # bs 1 too
     assert gr.graphs[4].symbolic  # compiled with a symbolic batch size
     assert gr.capture_args[1] != gr.capture_args[2]  # called with each bucket's batch
@@ -69,3 +70,13 @@ def test_each_bucket_of_a_shared_graph_matches_eager(runners, bs):
     assert gr.recompiles_since_capture() == 0
     for r in reqs:
         r.release()
+
+
+def test_tensor_parallel_graphs_keep_the_python_wrapper():
+    """The C++ wrapper cannot call torch's functional collectives on CPU: TP runners keep the
+    Python wrapper, single-rank runners use the C++ one."""
+    from airserve.srt.model_executor.graph_runners.cpu import inductor_options
+
+    assert inductor_options(1)["cpp_wrapper"] is True
+    assert inductor_options(2)["cpp_wrapper"] is False
+    assert inductor_options(2)["size_asserts"] is False  # the other options unchanged

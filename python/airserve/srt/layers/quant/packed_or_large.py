@@ -10,7 +10,6 @@ batch on the path eager code takes for it.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,8 +19,6 @@ from airserve.srt.layers.quant.matmul_paths import INT8_PATHS
 if TYPE_CHECKING:
     from airserve.srt.layers.linear import Linear
 
-logger = logging.getLogger(__name__)
-_logged: set[str] = set()  # block kinds of the layers that decide at trace time, logged once
 
 _lib = torch.library.Library("airserve", "FRAGMENT")
 # kinds, activations: one per block segment, joined by ","; qs, d, m: the segments' fields.
@@ -62,12 +59,10 @@ def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tenso
     """x @ w.T (+ bias) in a compiled graph, on the path `layer.path_for(rows)` names, or
     None where the operator cannot express it (a large path that dequantizes the blocks a chunk
     at a time): the caller then decides at trace time (a guard on the size)."""
+    # Runs while dynamo traces (which cannot trace a logging call): the graph runner's report
+    # counts the graphs such layers add (`graphs_compiled`).
     large = large_path_args(layer)
     if large is None:
-        if layer.packed_kind not in _logged:
-            _logged.add(layer.packed_kind)
-            logger.info("%s layers without a float weight pick their product at trace time (a "
-                        "compiled graph per side of --packed-decode-max-bs)", layer.packed_kind)
         return None
     if len(layer.packed_kinds) == 1:
         kind = layer.packed_kinds[0]

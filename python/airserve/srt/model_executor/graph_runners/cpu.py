@@ -102,12 +102,23 @@ def same_inputs(a: tuple, b: tuple) -> bool:
 # (or, loaded from the store, views rebuilt with the stored shapes and strides), so the generated
 # wrapper's per-step layout checks of its inputs and of the custom ops' outputs (~640 Python
 # calls a step for the default model) check nothing replay could change. The wrapper is C++
-# (`cpp_wrapper`: the custom ops are called through the dispatcher, no Python per op; a bs-1
-# step of the default model takes ~1.3 ms less CPU), built apart from the kernels at a low
-# optimization level (`cpp_wrapper_build_separate`: built with them at -O3, the wrapper more
-# than doubled the compile time; apart, ~15% more than the Python wrapper).
+# (`cpp_wrapper`: the custom ops are called through the dispatcher, no Python per op; quiet, 2
+# threads, a bs-1 step of the default model 11.0 vs 12.7 ms, its compile ~95 vs ~66 s), built
+# apart from the kernels at a low optimization level (`cpp_wrapper_build_separate`: built with
+# them at -O3, the wrapper more than doubled the compile time).
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+def inductor_options(tp_size: int) -> dict:
+    """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group. With tensor parallelism the
+    wrapper stays Python: the C++ wrapper cannot call torch's functional collectives on CPU
+    (inductor: "arg type Any is not yet supported by custom_op_wrapper")."""
+    options = dict(INDUCTOR_OPTIONS)
+    if tp_size > 1:
+        options.update(cpp_wrapper=False, cpp_wrapper_build_separate=False)
+    return options
+
 
 # The static batch's tensors with a batch dimension (besides the attention metadata).
 BATCH_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
@@ -171,6 +182,7 @@ class CPUGraphRunner(GraphRunner):
         self.stored: dict[int, str] = {}  # id(compiled graph) -> its stored file name
         self.stale: dict[int, str] = {}  # bucket -> why its stored graph was not used
         self.unstored: dict[int, str] = {}  # bucket -> why its compiled graph was not stored
+        self.inductor_options = inductor_options(model_runner.tp.size)
         for buf in model_runner.kv_cache.k_buffers + model_runner.kv_cache.v_buffers:
             torch._dynamo.mark_static_address(buf)
         super().__init__(model_runner)
@@ -232,7 +244,7 @@ class CPUGraphRunner(GraphRunner):
             if self.store is not None:
                 graph = CompiledGraph(gm)
             else:
-                with inductor_config.patch(INDUCTOR_OPTIONS):
+                with inductor_config.patch(self.inductor_options):
                     graph = CompiledGraph(backend(gm, example_inputs))
             graph.symbolic = has_symbolic_inputs(gm)
             self.step_graphs.append(graph)
@@ -262,7 +274,7 @@ class CPUGraphRunner(GraphRunner):
         graph = called[0]
         new = len(self.step_graphs) > known
         if new and self.store is not None:
-            self.compile_storable(graph)
+            self.compile_storable(graph, self.inductor_options)
         self.compiled[bs] = self.step
         self.graphs[bs] = graph
         self.capture_args[bs] = graph.args
@@ -275,7 +287,7 @@ class CPUGraphRunner(GraphRunner):
                     compiled_s, "" if self.store is None or bs in self.unstored else ", stored")
 
     @staticmethod
-    def compile_storable(graph: CompiledGraph) -> None:
+    def compile_storable(graph: CompiledGraph, options: dict) -> None:
         """Compile dynamo's graph with inductor into an artifact that can be saved; dynamo's
         entry for the graph calls it from now on (the recorder is what dynamo holds)."""
         import torch._inductor.config as inductor_config
@@ -284,7 +296,7 @@ class CPUGraphRunner(GraphRunner):
         # A graph with a symbolic batch size keeps dynamo's shape environment; a static one is
         # compiled for the sizes it was called with.
         shapes = "from_graph" if graph.symbolic else "from_example_inputs"
-        with inductor_config.patch(INDUCTOR_OPTIONS):
+        with inductor_config.patch(options):
             graph.fn = standalone_compile(graph.fn, list(graph.args), dynamic_shapes=shapes,
                                           options={})
 
@@ -340,6 +352,7 @@ class CPUGraphRunner(GraphRunner):
         report["buckets_compiled"] = sorted(self.graphs)
         report["graphs_compiled"] = len(self.step_graphs)
         report["graphs_loaded"] = len(self.artifacts)
+        report["cpp_wrapper"] = bool(self.inductor_options["cpp_wrapper"])
         if self.stale:
             report["stale_buckets"] = dict(self.stale)
         if self.unstored:
