@@ -106,3 +106,26 @@ def test_allocate_next_refuses_when_pages_run_out():
     with pytest.raises(RuntimeError, match="need 3 KV pages, 2 free"):
         alloc.allocate_next(slots, [0, 0, 0])
     assert alloc.available_pages() == 2  # nothing taken
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"),
+                    reason="resident size is read from /proc")
+def test_cpu_kv_pool_is_zero_and_resident_only_where_written():
+    # 4 layers x K/V x 8192 slots x 2 heads x 256 x 4 bytes = 128 MiB of capacity.
+    before = _resident_mib()
+    kv = TokenToKVPool(4, 8192, 1, 2, 256, torch.float32, "cpu")
+    assert kv.memory_bytes() == 128 * 2**20
+    assert _resident_mib() - before < 32  # not written up front
+    for buf in kv.k_buffers + kv.v_buffers:
+        assert buf.shape == (8192, 2, 256) and buf.is_contiguous()
+    kv.k_buffers[1][100:164] = 1.5
+    kv.v_buffers[3][8000:] = -2.0
+    assert kv.k_buffers[1].sum().item() == 1.5 * 64 * 512
+    assert kv.v_buffers[3].sum().item() == -2.0 * 192 * 512
+    # Every other value reads as zero, and the layers do not share memory.
+    assert kv.k_buffers[0].abs().sum().item() == 0 and kv.v_buffers[1].abs().sum().item() == 0

@@ -7,6 +7,8 @@ padded row can never touch a live request's KV.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 DUMMY_SLOT = 0
@@ -51,8 +53,9 @@ class TokenToKVPool:
         self.dtype = dtype
         shape = (self.num_slots, num_kv_heads, head_dim)
         # Zeroed, not empty: attention reads padded positions (masked) and 0 * NaN would leak.
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        zeros = _lazy_zeros if torch.device(device).type == "cpu" else torch.zeros
+        self.k_buffers = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -61,6 +64,23 @@ class TokenToKVPool:
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+                ) -> torch.Tensor:
+    """A zero CPU tensor in anonymous mapped memory: zero by definition, and resident only as
+    far as it has been written (torch.zeros writes every byte up front). The allocator hands
+    out the lowest free pages first, so a pool's resident size follows the KV in use (plus
+    what the prefix cache keeps), not the pool's capacity."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor keeps a reference to the mapping (torch.frombuffer), so it lives as long.
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedAllocator:
