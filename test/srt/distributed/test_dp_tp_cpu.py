@@ -91,8 +91,11 @@ def test_flags_base_gpu_id_and_refusals(capsys):
 # A live server: two replicas of two ranks.
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
+    # float32 on every CPU: under bf16 products (`auto` with avx512_bf16 or AMX) TP's partial
+    # sums round differently and a tiny random model's greedy ids may part from one process's.
     srv = ServerProcess(tiny_llama_dir, "--dp-size", "2", "--tp-size", "2", "--num-threads", "1",
-                        "--max-total-tokens", "512", "--max-running-requests", "4")
+                        "--max-total-tokens", "512", "--max-running-requests", "4",
+                        "--dtype", "float32")
     yield srv.wait_ready(timeout=300)
     srv.stop()
 
@@ -113,7 +116,7 @@ def test_two_tp_replicas_answer_like_one_process(server, tiny_llama_dir):
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(one, PROMPTS))
         after = replicas(http)
-    with Engine(model_path=tiny_llama_dir, max_total_tokens=512) as engine:
+    with Engine(model_path=tiny_llama_dir, max_total_tokens=512, dtype="float32") as engine:
         want = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS,
                                                          sampling_params=GREEDY)]
     assert got == want

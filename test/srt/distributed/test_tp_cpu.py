@@ -75,13 +75,15 @@ def test_tp2_server_greedy_ids_and_rank_death(tiny_packed_gguf) -> None:
     with an error naming the rank."""
     from airserve.srt.entrypoints.engine import Engine
 
-    engine = Engine(tiny_packed_gguf, max_total_tokens=512, max_running_requests=4)
+    # float32 on every CPU (see tp_decode.runner_args).
+    engine = Engine(tiny_packed_gguf, max_total_tokens=512, max_running_requests=4,
+                    dtype="float32")
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     want = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS,
                                                      sampling_params=params)]
     engine.shutdown()
     srv = ServerProcess(tiny_packed_gguf, "--tp-size", "2", "--max-total-tokens", "512",
-                        "--num-threads", "1").wait_ready(timeout=240)
+                        "--num-threads", "1", "--dtype", "float32").wait_ready(timeout=240)
     try:
         with srv.client() as http:
             got = [http.post("/generate", json={"input_ids": ids, "sampling_params": params})

@@ -57,12 +57,23 @@ struct Int8Job {
 }  // namespace
 
 // One copy of the product loop per instruction set (block_int8_rows.inc).
+// The portable copy is not auto-vectorized: built with -march=native on a CPU with AVX-512 VNNI,
+// GCC 12 turned its signed int8 dot products (Q8_0, Q6_K) into vpdpbusd, whose first operand
+// is unsigned, and every product with a negative weight came out wrong (found on an AMD EPYC
+// with avx512_vnni: those products were off by ~9x of their size, unsigned kinds were exact).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-tree-vectorize")
+#endif
 namespace isa_scalar {
 using ::Int8Job;
 #define AIRSERVE_ISA_SCALAR 1
 #include "block_int8_rows.inc"
 #undef AIRSERVE_ISA_SCALAR
 }  // namespace isa_scalar
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 #if defined(AIRSERVE_X86) && defined(__GNUC__) && !defined(__clang__)
 #define AIRSERVE_HAS_SIMD 1
