@@ -133,7 +133,7 @@ def test_flags_and_auto_resolution():
                 else "float32")
     assert choose_large_path("auto", None, avx2_cpu) == expected
     assert choose_large_path("float32", None, avx2_cpu) == "float32"
-    if FIDELITY["bfloat16"]["passed"]:
+    if matmul_paths.auto_eligible("bfloat16"):
         assert choose_large_path("auto", None, bf16_cpu) == "bfloat16"
     args = ServerArgs(quantization="w8a8_int8_outliers", int8_outlier_channels=8)
     assert args.resolved_large_path == "w8a8_int8_outliers"

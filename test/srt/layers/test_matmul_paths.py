@@ -53,7 +53,9 @@ def test_path_against_float64(path, rows, k, n):
 @NEEDS_INT8
 @pytest.mark.parametrize("path", ["bfloat16", "w8a8_int8"])
 def test_dispatch_per_rows_and_weights_from_blocks(path):
-    """Up to packed_max_rows the blocks; above, the path, its weight built from the blocks."""
+    """Decode rows up to packed_max_rows: the blocks; above, the path, its weight built from the
+    blocks. Extend rows take the path whatever their count (a cached prompt's short tail is
+    computed as in a long prefill)."""
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
     packed = random_packed("q4_1", 48, 64)
@@ -61,14 +63,20 @@ def test_dispatch_per_rows_and_weights_from_blocks(path):
     layer.attach_packed(packed, 4, drop_weight=True)
     layer.set_large_path(path)
     assert [layer.path_for(r) for r in (1, 4, 5, 64)] == ["packed"] * 2 + [path] * 2
+    assert [layer.path_for(r, decode=False) for r in (1, 4, 64)] == [path] * 3
     w = packed.dequantize().double()
     small, large = torch.randn(4, 64), torch.randn(20, 64)
-    assert relative_error(layer(small), small.double() @ w.T) < 1e-5
+    assert relative_error(layer(small, decode=True), small.double() @ w.T) < 1e-5
     assert 1e-6 < relative_error(layer(large), large.double() @ w.T) < TOLERANCE[path]
+    # A short extend equals its rows inside a long one: the same product.
+    extend = layer(small)
+    assert 1e-6 < relative_error(extend, small.double() @ w.T) < TOLERANCE[path]
+    torch.testing.assert_close(extend, layer(torch.cat([small, large]))[:4], atol=1e-5, rtol=0)
     assert layer.weight_bytes(4) == packed.nbytes
     assert layer.weight_bytes(5) < 64 * 48 * 4 / 1.9  # bf16 or int8, not float32
     report = matmul_path_report([layer])
-    assert report == [{"rows": "1-4", "path": "packed"}, {"rows": "5+", "path": path}]
+    assert report == [{"rows": "1-4", "path": "packed", "extend_rows": "large path"},
+                      {"rows": "5+", "path": path}]
 
 
 def test_tied_weight_stays_and_unknown_path_is_refused():
@@ -91,8 +99,10 @@ def test_resolution_per_cpu_flags():
     for flags in (bf16_cpu, avx2_cpu):
         chosen = choose_large_path("auto", None, flags)
         assert FIDELITY[chosen]["passed"], chosen  # auto never picks a path that failed
-    expected = "bfloat16" if FIDELITY["bfloat16"]["passed"] else None
-    if expected:
+        assert matmul_paths.auto_eligible(chosen), chosen
+    expected = "bfloat16" if matmul_paths.auto_eligible("bfloat16") else "float32"
+    if not matmul_paths.int8_available() or not any(
+            matmul_paths.auto_eligible(p) for p in matmul_paths.INT8_PATHS):
         assert choose_large_path("auto", None, bf16_cpu) == expected
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.linear import Linear
 from airserve_testing import (
     Requests,
@@ -38,6 +39,8 @@ def test_linear_takes_int8_only_for_decode_rows() -> None:
     from airserve.srt.layers.quant.block_matvec import packed_linear
     from airserve_testing.tiny_gguf import any_packed
 
+    if not cpu_kernels.available():  # builds and loads the operators (first test of a run)
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
     w = any_packed("q4_1", 40, 256, seed=4)
     layer = Linear(256, 40, bias=False)
     layer.attach_packed(w, 4, "int8", drop_weight=True)

@@ -1,15 +1,17 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
 use (`quant.matmul_paths`: float32, bfloat16, w8a8_int8 or w8a8_int8_outliers; float32 by
-oneDNN over a reordered weight or by sgemm over the plain one). `Linear.path_for(rows)` is the
-one place that decides which product an input of `rows` rows takes.
+oneDNN over a reordered weight or by sgemm over the plain one). `Linear.path_for(rows, decode)`
+is the one place that decides which product an input of `rows` rows takes.
 
 The packed products take the layer's `packed_activations` (int8 or float32) only for decode
 rows (`forward(x, decode=True)`: one new token per sequence); extend rows (a prefill, a chunk, a
 cached prompt's short tail, and every row of a mixed prefill + decode step, which share one
 product) always multiply with float32 activations, the same arithmetic as the dequantized
-float32 matmul that long extends take. So a prompt's first output token does not depend on how
-much of the prompt was cached."""
+float32 matmul that long extends take. Under a large path other than float32 (bf16 or int8
+products) a short extend takes that path too, whatever its row count. Either way a prompt's
+first output token does not depend on how much of the prompt was cached or how it was
+chunked."""
 
 from __future__ import annotations
 
@@ -172,9 +174,18 @@ class Linear(nn.Linear):
             return self.weight_onednn.dense()
         return torch.cat([p.dequantize() for p in self.packed_parts])
 
-    def path_for(self, rows: int) -> str:
-        """The product an input of `rows` rows takes: "packed" or the large path."""
+    def path_for(self, rows: int, decode: bool = True) -> str:
+        """The product an input of `rows` rows takes: "packed" or the large path. Extend rows
+        (`decode` False) take the packed product only where it computes what the large path
+        does (float32); a bf16 or int8 large path takes them all, so that a prompt's last
+        token is computed alike in a long prefill and in a short cached tail."""
+        if not self.packed_for_extends and not decode:
+            return self.large_path
         return "packed" if 0 < rows <= self.packed_max_rows else self.large_path
+
+    @property
+    def packed_for_extends(self) -> bool:
+        return self.large_path == "float32"
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product with `rows` input rows reads."""
@@ -205,7 +216,7 @@ class Linear(nn.Linear):
             out = packed_or_large(self, x, decode)
             if out is not None:
                 return out
-        path = self.path_for(x.shape[0])
+        path = self.path_for(x.shape[0], decode)
         if path == "packed":
             x = x.contiguous()
             outs = [block_matmul(x, kind, *self._segment(i), self.activations_for(kind, decode))
@@ -309,6 +320,8 @@ def matmul_path_report(layers: list[Linear]) -> list[dict]:
     limit = min((m.packed_max_rows for m in layers), default=0)
     large = sorted({m.large_path for m in layers})
     ranges = [{"rows": f"1-{limit}", "path": "packed"}] if limit else []
+    if limit and any(not m.packed_for_extends for m in layers):
+        ranges[0]["extend_rows"] = "large path"  # only decode rows take the packed products
     ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")

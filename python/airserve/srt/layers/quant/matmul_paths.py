@@ -55,9 +55,18 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 d
 # bf16 with the same rounding). `auto` picks only paths marked passed here
 # (test/srt/layers/test_matmul_paths.py). w8a8_int8 fails far off: one scale per token cannot
 # serve this model's outlier activation channels (7-bit steps sized by the outliers).
+# `auto` also needs "answers": the default model's answer to the README's chat example ("What
+# is the capital of France?") equal to float32's. bf16 passes the bar (98.59% / +0.33% with
+# oneDNN's emulated bf16 on AVX2; 98.19% / +0.19% native on an AMD EPYC with avx512_bf16) but
+# not that: its prefill turns the first answer token from "The" into "L'" ("L'Étoile, la Cité,
+# ..."), and the model never says Paris. A probe on that machine kept one kind of layer in
+# float32 at a time: down_proj (fed by the outlier channels) or q/k/v in float32 restores the
+# answer, gate/up or the lm_head do not. So `auto` stays float32 until a bf16 variant passes
+# both; --dtype bfloat16 runs it by its flag.
 FIDELITY = {
     "float32": {"passed": True},  # the reference (exact)
-    "bfloat16": {"passed": True, "top1_agreement": 0.9859, "ppl_change": 0.0033},
+    "bfloat16": {"passed": True, "top1_agreement": 0.9819, "ppl_change": 0.0019,
+                 "answers": False},
     "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
     # 16 outlier channels per layer (the default), 8-bit activations, 7-bit weights; other
     # variants (more channels, lm_head float32, SmoothQuant scales) in the README: none passed.
@@ -128,7 +137,13 @@ def auto_path(flags: frozenset[str]) -> str:
     if int8_available():
         ranked += ["w8a8_int8", "w8a8_int8_outliers"]
     ranked.append("float32")
-    return next(p for p in ranked if FIDELITY[p]["passed"])
+    return next(p for p in ranked if auto_eligible(p))
+
+
+def auto_eligible(path: str) -> bool:
+    """Whether `auto` may pick `path`: its fidelity passed and the default model still answers
+    the README's example as float32 does (FIDELITY)."""
+    return FIDELITY[path]["passed"] and FIDELITY[path].get("answers", True)
 
 
 @dataclass

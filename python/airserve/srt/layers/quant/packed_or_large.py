@@ -56,7 +56,7 @@ def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | Non
 
 
 def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tensor | None:
-    """x @ w.T (+ bias) in a compiled graph, on the path `layer.path_for(rows)` names, or
+    """x @ w.T (+ bias) in a compiled graph, on the path `layer.path_for(rows, decode)` names, or
     None where the operator cannot express it (a large path that dequantizes the blocks a chunk
     at a time): the caller then decides at trace time (a guard on the size)."""
     # Runs while dynamo traces (which cannot trace a logging call): the graph runner's report
@@ -64,15 +64,17 @@ def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tenso
     large = large_path_args(layer)
     if large is None:
         return None
+    # Extend rows under a bf16 or int8 large path take it whatever their count (path_for).
+    max_rows = layer.packed_max_rows if decode or layer.packed_for_extends else 0
     if len(layer.packed_kinds) == 1:
         kind = layer.packed_kinds[0]
         out = torch.ops.airserve.packed_or_large_1(
-            x.contiguous(), layer.packed_max_rows, kind, layer.activations_for(kind, decode),
+            x.contiguous(), max_rows, kind, layer.activations_for(kind, decode),
             *layer._segment(0), *large)
         return out if layer.bias is None else out + layer.bias
     segments = [layer._segment(i) for i in range(len(layer.packed_kinds))]
     out = torch.ops.airserve.packed_or_large(
-        x.contiguous(), layer.packed_max_rows, ",".join(layer.packed_kinds),
+        x.contiguous(), max_rows, ",".join(layer.packed_kinds),
         ",".join(layer.activations_for(kind, decode) for kind in layer.packed_kinds),
         [s[0] for s in segments], [s[1] for s in segments], [s[2] for s in segments], *large)
     return out if layer.bias is None else out + layer.bias
