@@ -66,7 +66,9 @@ class ServerProcess:
         with open(self._log.name) as f:
             return f.read()
 
-    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+    # A start takes ~20 s on a busy 2-core machine; the first one in a fresh checkout also builds
+    # the C++ kernels (minutes there), and a DP server's replicas wait for that one build.
+    def wait_ready(self, timeout: float = 300.0) -> ServerProcess:
         if not wait_healthy(self.proc, self.url, timeout, self.log):
             self.stop()
             raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")

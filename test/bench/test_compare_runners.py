@@ -3,6 +3,7 @@ against the real server on a tiny model (eager mode only: a compile mode costs m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -149,11 +150,15 @@ def test_ctrl_c_stops_the_server(tiny_llama_dir, gsm8k_file, tmp_path):
     argv = _argv(tiny_llama_dir, gsm8k_file, out, "--output-len", "400", "--num-prompts", "8")
     proc = subprocess.Popen([sys.executable, str(RUNNERS_DIR / "compare_runners.py"), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    servers = []
     try:
         log = out / "server_eager.log"
-        deadline = time.monotonic() + 60
+        # As generous as ServerProcess.wait_ready: a server start takes ~20 s on a busy 2-core
+        # machine, and longer when it builds the C++ kernels first.
+        deadline = time.monotonic() + 300
         while not (log.exists() and "airserve is ready" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
             time.sleep(0.2)
         servers = psutil.Process(proc.pid).children(recursive=True)
         assert servers
@@ -161,7 +166,12 @@ def test_ctrl_c_stops_the_server(tiny_llama_dir, gsm8k_file, tmp_path):
         output = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
+            # The server runs in its own session: SIGKILL of the script alone orphans it.
+            orphans = servers or psutil.Process(proc.pid).children(recursive=True)
             os.kill(proc.pid, signal.SIGKILL)
+            for p in orphans:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
     assert proc.returncode == 130, output
     _, alive = psutil.wait_procs(servers, timeout=10)
     assert not alive

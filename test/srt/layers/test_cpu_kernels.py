@@ -35,3 +35,20 @@ def test_a_stale_build_lock_is_removed_and_the_build_completes(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "stale build lock" in out.stderr
     assert not os.path.exists(lock)
+
+
+def test_build_name_is_per_checkout_and_per_source(tmp_path):
+    """Two checkouts must not share a build directory (torch rebuilds it in turn for each, under
+    its lock, when the sources' paths change), and a changed source or included file renames it.
+    """
+    import shutil
+
+    here = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    a, b = shutil.copytree(here, tmp_path / "a"), shutil.copytree(here, tmp_path / "b")
+    tag = cpu_kernels._sources_tag(str(a))
+    assert tag == cpu_kernels._sources_tag(str(a)) != cpu_kernels._sources_tag(str(b))
+    for name in ("block_int8.cpp", "isa_select.h"):
+        with open(a / name, "a") as f:
+            f.write("\n")
+        assert cpu_kernels._sources_tag(str(a)) != tag
+        tag = cpu_kernels._sources_tag(str(a))

@@ -18,6 +18,10 @@ from airserve.srt.sampling.sampling_params import SamplingParams
 from airserve_testing.tiny_models import load_hf
 
 ATOL = 1e-4
+# Every engine here multiplies in float32, whatever the CPU: the references are transformers'
+# float32 logits. `auto` takes bfloat16 for batches above the packed limit on CPUs with
+# avx512_bf16 or AMX, and its logprobs part from float32's by far more than ATOL.
+F32 = {"dtype": "float32"}
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
@@ -25,7 +29,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 def engine(tiny_llama_dir):
     # page 1: the prefix cache matches any length, so a cap inside a cached prefix shows.
     return Engine(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=8,
-                  page_size=1)
+                  page_size=1, **F32)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def test_cached_prefix_is_recomputed_from_logprob_start(engine, hf):
 
 def test_chunked_prefill_gathers_prompt_logprobs_across_chunks(tiny_llama_dir, hf):
     engine = Engine(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=4,
-                    chunked_prefill_size=8)
+                    chunked_prefill_size=8, **F32)
     vocab = engine.model_runner.model_config.vocab_size
     reqs = run(engine, prompts(vocab, [30, 11], seed=10), LogprobParams(True, 1, 3))
     for req in reqs:
@@ -133,7 +137,8 @@ def test_graph_runner_replay_gives_the_same_logprobs(tiny_llama_dir, hf):
     """Decode steps replayed by the CPU graph runner (inductor): output logprobs from the
     replay's logits, the same tolerance."""
     engine = Engine(model_path=tiny_llama_dir, max_total_tokens=1024, max_running_requests=2,
-                    enable_torch_compile=True, cuda_graph_bs=(2,))  # one bucket: one compile
+                    enable_torch_compile=True, cuda_graph_bs=(2,),  # one bucket: one compile
+                    **F32)
     vocab = engine.model_runner.model_config.vocab_size
     reqs = run(engine, prompts(vocab, [7, 13], seed=12), LogprobParams(True, 2, 0))
     runner = engine.model_runner

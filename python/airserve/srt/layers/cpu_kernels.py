@@ -23,7 +23,7 @@ import time
 logger = logging.getLogger(__name__)
 
 SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed_or_large.cpp")
-# Included by the sources: part of the build name.
+# Included by the sources: part of the build name, with the sources.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_avx2.inc", "block_f32.h",
            "block_f32_rows.inc", "decode_attention_avx2.inc", "isa_select.h")
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
@@ -43,11 +43,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
-def _headers_tag(here: str) -> str:
-    """torch rebuilds when a listed source changes, not an included file: name them instead."""
-    digest = hashlib.sha1()
-    for header in HEADERS:
-        with open(os.path.join(here, header), "rb") as f:
+def _sources_tag(here: str) -> str:
+    """The sources' directory and contents, included files too. torch keys its build directory
+    by the name alone and rebuilds there whenever build.ninja changes, as it does with the
+    sources' paths: two checkouts sharing a name in one cache (~/.cache/torch_extensions by
+    default) rebuilt it in turn, each holding torch's build lock for minutes on a busy machine
+    while every other process of both waited. torch does not see included files change."""
+    digest = hashlib.sha1(os.path.realpath(here).encode())
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:8]
 
@@ -55,7 +59,7 @@ def _headers_tag(here: str) -> str:
 def build_name() -> str:
     """The extension's name, hence its build directory under TORCH_EXTENSIONS_DIR."""
     here = os.path.join(os.path.dirname(__file__), "csrc")
-    return f"airserve_cpu_kernels_{_cpu_tag()}_{_headers_tag(here)}"
+    return f"airserve_cpu_kernels_{_cpu_tag()}_{_sources_tag(here)}"
 
 
 def available() -> bool:
