@@ -220,7 +220,7 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     report."""
     from airserve.srt.layers.linear import packed_report
 
-    assert block_matvec.AUTO_INT8_KINDS == {"q4_1"}
+    assert block_matvec.AUTO_INT8_KINDS == {"q4_1", "q5_0"}
     for kind in KINDS:
         want = "int8" if kind in block_matvec.AUTO_INT8_KINDS else "float32"
         assert block_matvec.resolve_activations("auto", kind) == want
