@@ -125,11 +125,17 @@ def main() -> None:
     from airserve.srt.server_args import ServerArgs
 
     args = ServerArgs(num_threads=a.threads, max_total_tokens=4096)
-    runner = ModelRunner(args)
-    if a.scheme:
+    if a.scheme:  # as fidelity.make_runner: plain float32 weights, requantized, then the runner
         from airserve.srt.model_loader.gguf_quantize import requantize_linears
+        from airserve.srt.model_loader.loader import load_model
 
-        requantize_linears(runner.model, a.scheme, args.packed_decode_max_bs, "auto")
+        torch.set_num_threads(a.threads)
+        bs = args.packed_decode_max_bs
+        cfg, model = load_model(None, "float32", "cpu", None, bs, False, "auto")
+        requantize_linears(model, a.scheme, bs, "auto")
+        runner = ModelRunner(args, model_config=cfg, model=model)
+    else:
+        runner = ModelRunner(args)
     row = {"threads": a.threads, "steps": a.steps, "scheme": a.scheme or "Q4_1",
            **measure(runner, a.steps, a.by_kind)}
     row["speedup"] = row["float32_ms"] / row["auto_ms"]
