@@ -243,8 +243,8 @@ at::Tensor block_matmul_f32(const at::Tensor& x, const std::string& kind, const 
               "airserve::block_matmul_f32: q4_1 blocks go through q4_1_matmul");
   const int64_t M = x.size(0);
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum;  // Q5_1's block sums of x [M, nb], for its m term
-  if (job.kind == airserve_blocks::kQ5_1) {
+  std::vector<float> xsum;  // block sums of x [M, nb], for Q5_1's m and Q4_K's min terms
+  if (job.kind == airserve_blocks::kQ5_1 || job.kind == airserve_blocks::kQ4_K) {
     xsum.resize(M * job.nb);
     for (int64_t i = 0; i < M * job.nb; ++i) {
       float s = 0.f;
