@@ -18,10 +18,14 @@ too (a decode step over a one-token context): extends multiply in float32 whatev
 first position and its KV. Per configuration (`--activations`: "int8" in every packed layer,
 and "auto" as the server runs it, int8 only for the kinds block_matvec.AUTO_INT8_KINDS names,
 so the Q4_1 file's Q8_0 lm_head stays float32) it reports top-1 agreement with the
-float32-activation run on the same weights, and both perplexities.
+float32-activation run on the same weights, and both perplexities. `--auto-int8-kinds` runs
+"auto" under a candidate rule instead (int8 only for the kinds named, e.g. q5_0 q5_1 in a
+Q4_K_M mix), the check a kind must pass before it joins AUTO_INT8_KINDS.
 Pass: agreement >= 98% and perplexity within 1%; the exit code is the "auto" rows' verdict.
 
     python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
+    python benchmark/kernels/fidelity.py --schemes Q4_K_M --activations auto \
+        --auto-int8-kinds q5_0 q5_1
     python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 w8a8_int8_outliers \
         [--seq-len 250] [--int8-outlier-channels N] [--json F]
 """
@@ -29,6 +33,7 @@ Pass: agreement >= 98% and perplexity within 1%; the exit code is the "auto" row
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import resource
@@ -116,17 +121,34 @@ def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.T
     return torch.stack(top1, 1), torch.stack(logp, 1)
 
 
+@contextlib.contextmanager
+def auto_int8_kinds(kinds: frozenset[str] | None):
+    """Within the block, "auto" takes int8 for `kinds` (None: the shipped rule). The rule is
+    read when each product runs (block_matvec.resolve_activations), so this swaps it for the
+    run and puts the shipped one back."""
+    from airserve.srt.layers.quant import block_matvec
+
+    shipped = block_matvec.AUTO_INT8_KINDS
+    if kinds is not None:
+        block_matvec.AUTO_INT8_KINDS = kinds
+    try:
+        yield
+    finally:
+        block_matvec.AUTO_INT8_KINDS = shipped
+
+
 def split(tokens: list[int], batch: int) -> list[list[int]]:
     n = len(tokens) // batch
     return [tokens[i * n:(i + 1) * n] for i in range(batch)]
 
 
 def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None = None,
-          activations: tuple[str, ...] = ("int8", "auto")) -> dict:
+          activations: tuple[str, ...] = ("int8", "auto"),
+          auto_kinds: frozenset[str] | None = None) -> dict:
     """Run every scheme with float32 activations, then with each of `activations` ("int8":
     every packed layer; "auto": what --cpu-decode-activations auto runs, int8 only for the
-    kinds block_matvec.resolve_activations gives it), int8 on each of `isas` (default: the best
-    this CPU has); returns the report."""
+    kinds block_matvec.resolve_activations gives it, or for `auto_kinds` if given), int8 on
+    each of `isas` (default: the best this CPU has); returns the report."""
     from airserve.srt.layers.quant import block_matvec
     from airserve.srt.model_loader.loader import default_model_path
     from airserve.srt.tokenizer import get_tokenizer
@@ -146,18 +168,23 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
             set_activations(runner.model, act)
             for isa in isas or [block_matvec.int8_isas()[0]]:
                 block_matvec.use_int8_isa(isa)
-                top1, logp = teacher_forced(runner, seqs)
+                with auto_int8_kinds(auto_kinds if act == "auto" else None):
+                    top1, logp = teacher_forced(runner, seqs)
+                int8_kinds = sorted(auto_kinds if auto_kinds is not None
+                                    else block_matvec.AUTO_INT8_KINDS)
                 ppl = math.exp(-logp.mean().item())
                 agree = (top1 == ref_top1).float().mean().item()
                 change = abs(ppl / ref_ppl - 1)
                 rows.append({"scheme": scheme, "activations": act, "isa": isa,
+                             "int8_kinds": int8_kinds if act == "auto" else "all",
                              "tokens": int(top1.numel()), "ppl_float32": ref_ppl,
                              "ppl_int8": ppl, "ppl_change": change, "top1_agreement": agree,
                              "weight_mib": mib,
                              "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE,
                              "seconds": time.perf_counter() - t0})
-                print(f"{scheme} {act} {isa}: top-1 {agree:.2%}, perplexity {ref_ppl:.3f} -> "
-                      f"{ppl:.3f}", flush=True)
+                kinds = f" (int8: {', '.join(int8_kinds)})" if act == "auto" else ""
+                print(f"{scheme} {act}{kinds} {isa}: top-1 {agree:.2%}, perplexity "
+                      f"{ref_ppl:.3f} -> {ppl:.3f}", flush=True)
         block_matvec.use_int8_isa("auto")
         del runner
     return {"rows": rows, "float32_isa": block_matvec.float32_isa(),
@@ -285,6 +312,11 @@ def main() -> None:
                    help="int8 on every instruction set this CPU has, not only the best")
     p.add_argument("--activations", nargs="+", default=["int8", "auto"], choices=("int8", "auto"),
                    help="int8: every packed layer; auto: as --cpu-decode-activations auto runs")
+    p.add_argument("--auto-int8-kinds", nargs="+", default=None,
+                   help="run auto with int8 for these kinds only (a candidate rule; default: "
+                        "block_matvec.AUTO_INT8_KINDS)")
+    p.add_argument("--isa", default=None,
+                   help="int8 on this instruction set (e.g. avx2) instead of the best")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--paths", nargs="+", default=None,
@@ -306,8 +338,9 @@ def main() -> None:
 
     if not block_matvec.kernels_available():
         raise SystemExit(f"the packed kernels did not build: {block_matvec.unavailable_reason()}")
-    report = check(a.schemes, a.tokens, a.batch,
-                   block_matvec.int8_isas() if a.all_isas else None, tuple(a.activations))
+    isas = block_matvec.int8_isas() if a.all_isas else [a.isa] if a.isa else None
+    report = check(a.schemes, a.tokens, a.batch, isas, tuple(a.activations),
+                   frozenset(a.auto_int8_kinds) if a.auto_int8_kinds else None)
     print_table(report)
     _write(a.json, report)
     raise SystemExit(0 if report["passed"] else 1)

@@ -97,9 +97,10 @@ class ServerArgs:
     # Activations of those packed products for decode rows: "float32" (exact),
     # "int8" (quantized per block of 32, integer dot products) or "auto": int8 for the
     # block kinds whose int8 products passed the fidelity check on ~2,000 tokens of the packaged
-    # text and run faster than float32 (Q4_1), float32 for the others (the K-quants missed
-    # top-1 >= 98%). The default: `python benchmark/kernels/fidelity.py --schemes Q4_1`, every
-    # teacher-forced position a decode row, gives auto (int8 Q4_1 layers, the Q8_0 lm_head in
+    # text and run faster than float32 (Q4_1; Q5_0, measured in a Q4_K_M mix), float32 for the
+    # others (the K-quants missed top-1 >= 98%). The default:
+    # `python benchmark/kernels/fidelity.py --schemes Q4_1`, every teacher-forced position a
+    # decode row, gives auto (int8 Q4_1 layers, the Q8_0 lm_head in
     # float32) top-1 98.14% / perplexity +0.18% against float32 (int8 in the lm_head too:
     # 97.94%, under the bar) on a 2-core AMD EPYC (AVX2); it decodes ~1.3x faster there. See
     # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py reruns the check.

@@ -169,12 +169,13 @@ def test_compiled_graph_calls_the_int8_kernel_in_place(kind: str) -> None:
     assert torch.equal(out, layer(x))
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q5_0", "q5_1"])
 @pytest.mark.parametrize("k", [32, 64, 288, 1056])
 def test_simd_int8_equals_portable_int8(kind: str, k: int) -> None:
-    """The SIMD int8 products of Q4_1 / Q8_0 (column tiles, Q4_1 block pairs, an odd last
-    block, the minimum term 8 blocks at a time and a scalar tail) against the portable loop on
-    every row count: same quantized activations, integer sums exact, float32 order differs."""
+    """The SIMD int8 products of Q4_1 / Q8_0 / Q5_0 / Q5_1 (column tiles, block pairs, an odd
+    last block, the minimum or constant term 8 blocks at a time and a scalar tail) against the
+    portable loop on every row count: same quantized activations, integer sums exact, float32
+    order differs."""
     isas = [i for i in block_matvec.int8_isas() if i != "scalar"]
     if not isas:
         pytest.skip("this CPU has no SIMD int8 path")
@@ -189,18 +190,22 @@ def test_simd_int8_equals_portable_int8(kind: str, k: int) -> None:
     block_matvec.use_int8_isa("auto")
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q5_0", "q5_1"])
 def test_int8_extremes_do_not_saturate(kind: str) -> None:
     """Largest weights times activations quantized to +-127 everywhere: the int16 pair sums of
     maddubs stay in range (a saturating path would be off by far more than the tolerance)."""
     w = any_packed(kind, 16, 256, seed=5)
     if kind == "q4_1":
         w.qs.fill_(0xFF)  # every nibble 15
+    elif kind in ("q5_0", "q5_1"):  # every value 31: qh and qs all ones, the scales kept
+        start = 2 if kind == "q5_0" else 4
+        blocks = w.qs.view(16, -1, RAW_KINDS[kind][1])
+        blocks[:, :, start:] = 0xFF
     else:
         w.qs.copy_(torch.where(torch.arange(w.qs.numel()).view_as(w.qs) % 2 == 0, -127, 127)
                    .to(torch.int8))
     wd = w.dequantize().double()
-    sign = 1.0 if kind == "q4_1" else torch.where(wd > 0, 1.0, -1.0)[0].float()
+    sign = 1.0 if kind != "q8_0" else torch.where(wd > 0, 1.0, -1.0)[0].float()
     x = (torch.ones(3, 256) * sign * torch.tensor([[1.0], [-2.0], [3.0]])).contiguous()
     ref = quantize_rows(x) @ wd.T
     for isa in block_matvec.int8_isas():
@@ -215,7 +220,7 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     report."""
     from airserve.srt.layers.linear import packed_report
 
-    assert block_matvec.AUTO_INT8_KINDS == {"q4_1"}
+    assert block_matvec.AUTO_INT8_KINDS == {"q4_1", "q5_0"}
     for kind in KINDS:
         want = "int8" if kind in block_matvec.AUTO_INT8_KINDS else "float32"
         assert block_matvec.resolve_activations("auto", kind) == want

@@ -2,7 +2,8 @@
 tokens) for the default model's Q4_1 and a Q4_K_M requantization with int8 in every packed
 layer, and the check behind the default `--cpu-decode-activations auto` on the script's full
 ~2,000 tokens: int8 for Q4_1's decode rows must pass (top-1 agreement >= 98%, perplexity within
-1% of the float32 path), and auto takes int8 for a K-quant only if it passed."""
+1% of the float32 path), so must auto on a Q4_K_M mix (int8 for its Q5_0 layers), and auto
+takes int8 for a K-quant only if it passed."""
 
 from __future__ import annotations
 
@@ -57,6 +58,17 @@ def test_the_default_activations_pass_the_fidelity_check(report: dict) -> None:
     assert row["passed"], row
     q4_k_m = report["rows"][1]
     assert resolve_activations("auto", "q4_k") == ("int8" if q4_k_m["passed"] else "float32")
+
+
+def test_auto_passes_on_a_q4_k_m_mix() -> None:
+    """auto takes int8 for Q5_0, most of this 576-wide model's Q4_K_M layers: on the script's
+    ~2,000 tokens that mix under auto passes against float32 on the same weights."""
+    from airserve.srt.layers.quant.block_matvec import resolve_activations
+
+    assert resolve_activations("auto", "q5_0") == "int8"
+    (row,) = fidelity.check(["Q4_K_M"], n_tokens=2000, batch=8, activations=("auto",))["rows"]
+    assert row["int8_kinds"] == ["q4_1", "q5_0"] and row["ppl_int8"] != row["ppl_float32"], row
+    assert row["passed"], row
 
 
 def test_k_quant_weights_hold_no_float32_copy(report: dict) -> None:

@@ -253,8 +253,18 @@ at::Tensor block_matmul_f32(const at::Tensor& x, const std::string& kind, const 
   TORCH_CHECK(job.kind != airserve_blocks::kQ4_1,
               "airserve::block_matmul_f32: q4_1 blocks go through q4_1_matmul");
   const int64_t M = x.size(0);
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum;  // block sums of x [M, nb], for Q5_1's m and Q4_K's min terms
+  if (job.kind == airserve_blocks::kQ5_1 || job.kind == airserve_blocks::kQ4_K) {
+    xsum.resize(M * job.nb);
+    for (int64_t i = 0; i < M * job.nb; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < 32; ++j) s += xp[i * 32 + j];
+      xsum[i] = s;
+    }
+  }
   const airserve_f32::Job f32{job.kind, job.qs, job.qs_stride, job.d, job.m, job.K, job.N,
-                              job.nb, x.data_ptr<float>(), nullptr, job.out};
+                              job.nb, xp, xsum.empty() ? nullptr : xsum.data(), job.out};
   at::parallel_for(0, job.N, kGrain,
                    [&](int64_t n0, int64_t n1) { airserve_f32::rows(f32, M, n0, n1); });
   return out;
