@@ -35,8 +35,13 @@ def tiny_path(tmp_path_factory) -> str:
 
 
 def test_linear_takes_int8_only_for_decode_rows() -> None:
+    from airserve.srt.layers import cpu_kernels
     from airserve.srt.layers.quant.block_matvec import packed_linear
     from airserve_testing.tiny_gguf import any_packed
+
+    # Loads the operators: run first in its process, nothing here had loaded them yet.
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
 
     w = any_packed("q4_1", 40, 256, seed=4)
     layer = Linear(256, 40, bias=False)
