@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from airserve.srt.hardware import host_cpu
 from airserve.srt.layers.linear import Linear, matmul_path_report
 from airserve.srt.layers.quant import block_matvec, matmul_paths
 from airserve.srt.server_args import ServerArgs
@@ -134,8 +135,14 @@ def test_fullgraph_compile_calls_the_operator():
 
 
 def test_flag_resolution():
-    assert ServerArgs().resolved_float32_matmul == "onednn"  # auto, cpu, torch with oneDNN
-    assert ServerArgs(cpu_float32_matmul="sgemm").resolved_float32_matmul == "sgemm"
+    # --dtype auto takes the bfloat16 path on CPUs with bf16 dot products (matmul_paths.auto_path)
+    # and then no layer multiplies in float32: sgemm names the unused float32 path.
+    bf16_cpu = matmul_paths.cpu_has_bf16(host_cpu()[1])
+    assert ServerArgs().resolved_large_path == ("bfloat16" if bf16_cpu else "float32")
+    assert ServerArgs().resolved_float32_matmul == ("sgemm" if bf16_cpu else "onednn")
+    assert ServerArgs(dtype="float32").resolved_float32_matmul == "onednn"  # cpu, with oneDNN
+    assert ServerArgs(dtype="float32",
+                      cpu_float32_matmul="sgemm").resolved_float32_matmul == "sgemm"
     assert ServerArgs(dtype="float32",
                       cpu_float32_matmul="onednn").resolved_float32_matmul == "onednn"
     # OpenVINO graphs read the plain weights.

@@ -344,8 +344,11 @@ def test_packed_decode_matches_float32_weights(tmp_path) -> None:
     write_tiny_gguf(path, "llama", qtypes=PACKED_TYPES)
     # sgemm: the plain float32 weights, which the end of the test zeroes (the oneDNN form is
     # tested in test/srt/model_executor/graph_runners/test_cpu_graph_runner_onednn.py).
+    # float32: under --dtype auto a CPU with avx512_bf16 or AMX multiplies the plain runner in
+    # bfloat16.
     base = ServerArgs(model_path=path, max_total_tokens=512, max_running_requests=8,
-                      cpu_decode_activations="float32", cpu_float32_matmul="sgemm")
+                      cpu_decode_activations="float32", cpu_float32_matmul="sgemm",
+                      dtype="float32")
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
     packed = ModelRunner(base.replace(packed_decode_max_bs=2))
     layers = [m for m in packed.model.modules() if isinstance(m, Linear)]

@@ -84,7 +84,10 @@ def test_k_quant_decode_matches_float32_weights(kquant_file: str, activations: s
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.server_args import ServerArgs
 
-    base = ServerArgs(model_path=kquant_file, max_total_tokens=512, max_running_requests=4)
+    # float32 pinned: under --dtype auto a CPU with avx512_bf16 or AMX multiplies the plain
+    # runner (packed limit 0) in bfloat16.
+    base = ServerArgs(model_path=kquant_file, max_total_tokens=512, max_running_requests=4,
+                      dtype="float32")
     plain = ModelRunner(base.replace(packed_decode_max_bs=0))
     packed = ModelRunner(base.replace(packed_decode_max_bs=4, cpu_decode_activations=activations))
     report = packed.kernels_report()  # what /get_server_info shows under decode_kernels

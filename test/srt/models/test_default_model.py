@@ -14,9 +14,11 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    # Exact float32 arithmetic (the default), so greedy ids can equal transformers'.
+    # Exact float32 arithmetic, so greedy ids can equal transformers': float32 decode
+    # activations, and float32 prefill (under --dtype auto a CPU with avx512_bf16 or AMX
+    # prefills in bfloat16).
     return Engine(max_total_tokens=8192, max_running_requests=8,
-                  cpu_decode_activations="float32")
+                  cpu_decode_activations="float32", dtype="float32")
 
 
 def transformers_model():

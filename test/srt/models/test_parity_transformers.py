@@ -51,8 +51,9 @@ def run_prefill_and_decode(runner: ModelRunner, prompts: list[list[int]], steps:
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_prefill_and_20_decode_steps_match_transformers(model_type, page_size, request):
     path = request.getfixturevalue(f"tiny_{model_type}_dir")
+    # float32 pinned: under --dtype auto a CPU with avx512_bf16 or AMX prefills in bfloat16.
     runner = ModelRunner(ServerArgs(model_path=path, page_size=page_size, max_total_tokens=1024,
-                                    max_running_requests=4))
+                                    max_running_requests=4, dtype="float32"))
     hf = load_hf(path)
     g = torch.Generator().manual_seed(1)
     vocab = runner.model_config.vocab_size

@@ -29,9 +29,12 @@ pytestmark = pytest.mark.skipif(not matmul_paths.onednn_available(),
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory):
-    # auto: onednn; the reference multiplies by sgemm.
+    # --cpu-float32-matmul auto: onednn; the reference multiplies by sgemm. float32 pinned: on
+    # CPUs with avx512_bf16 or AMX --dtype auto takes the bfloat16 path, which has no oneDNN
+    # float32 product to test.
     return tiny_gguf_runners(str(tmp_path_factory.mktemp("onednn")), BUCKETS, PACKED_LIMIT,
-                             reference=dict(cpu_float32_matmul="sgemm"))
+                             reference=dict(cpu_float32_matmul="sgemm", dtype="float32"),
+                             dtype="float32")
 
 
 def linears(runner) -> list[Linear]:

@@ -1,12 +1,14 @@
 """CPUGraphRunner buckets above --packed-decode-max-bs run the large-batch matmul path
-(w8a8_int8 here: the path this CPU family can run) and match eager on the same path; buckets at
-or below the limit keep the packed kernels. Tiny GGUF model with Q4_0/Q4_1/Q8_0 layers."""
+(w8a8_int8, on any x86 CPU with fbgemm; bfloat16 too on CPUs with bf16 dot products) and match
+eager on the same path; buckets at or below the limit keep the packed kernels. Tiny GGUF model
+with Q4_0/Q4_1/Q8_0 layers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from airserve.srt.hardware import host_cpu
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import matmul_paths
 from airserve_testing import (
@@ -19,6 +21,10 @@ from airserve_testing import (
 
 # Same path on both sides; inductor reorders the float work around the int8 products.
 ATOL = 1e-4
+# bfloat16 on both sides: the same bf16 products; inductor may fuse the casts around them and
+# the float32 work in between, so results may differ in float32 rounding (measured: 0 on an AMD
+# EPYC with avx512_bf16; the float32 runner's logits differ from bf16 eager's by ~9).
+BF16_ATOL = 1e-4
 PACKED_LIMIT = 2
 BUCKETS = (2, 4)
 
@@ -77,3 +83,31 @@ def test_float32_runner_differs(runners):
     assert (a.prefill_logits - b.prefill_logits).abs().max() > ATOL
     a.release()
     b.release()
+
+
+@pytest.fixture(scope="module")
+def bf16_runners(tmp_path_factory):
+    if not matmul_paths.cpu_has_bf16(host_cpu()[1]):
+        pytest.skip("this CPU has no bf16 dot products: --dtype bfloat16 is refused here")
+    return tiny_gguf_runners(str(tmp_path_factory.mktemp("bf16")), BUCKETS, PACKED_LIMIT,
+                             reference=dict(dtype="float32"), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("bs", [3, 4])
+def test_bf16_buckets_match_eager_on_the_same_path(bf16_runners, bs):
+    graph, eager, float32 = bf16_runners
+    layers = [m for m in graph.model.modules() if isinstance(m, Linear)]
+    assert all(m.path_for(bs) == "bfloat16" and m.weight_bf16 is not None for m in layers)
+    replays = graph.graph_runner.replay_count
+    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
+    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
+    assert graph.graph_runner.replay_count == replays + 6 and not graph.fallback_counts
+    torch.testing.assert_close(lg, le, atol=BF16_ATOL, rtol=0)
+    assert torch.equal(tg, te)
+    for r in reqs:
+        r.release()
+    # Not float32 twice: the float32 runner's logits differ by more than the tolerance.
+    lf, _, _, _, reqs = run_side_by_side(float32, eager, prompts, steps=1)
+    assert (lf - le).abs().max() > BF16_ATOL
+    for r in reqs:
+        r.release()

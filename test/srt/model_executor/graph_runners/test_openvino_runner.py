@@ -37,9 +37,11 @@ PROMPT_LENS = (5, 14, 23, 40)  # 30 steps take them over 16-token pages and 32/6
 BUCKETS = (1, 4)
 
 
-def runner_args(path: str, page_size: int, **kw) -> ServerArgs:
+def runner_args(path: str, page_size: int, dtype: str = "float32", **kw) -> ServerArgs:
+    # float32 unless a test says otherwise: the eager reference's prefill would otherwise take
+    # --dtype auto's bfloat16 path on CPUs with avx512_bf16 or AMX (OpenVINO runs float32).
     return ServerArgs(model_path=path, page_size=page_size, max_total_tokens=2048,
-                      max_running_requests=4, num_threads=2, **kw)
+                      max_running_requests=4, num_threads=2, dtype=dtype, **kw)
 
 
 def ov_args(path: str, page_size: int, buckets=BUCKETS, **kw) -> ServerArgs:
@@ -305,8 +307,9 @@ def test_default_model_greedy_ids_equal_eager():
     try:
         # OpenVINO multiplies float32 activations with the blocks; eager's default (auto) would
         # quantize Q4_1 activations to int8 and give other greedy ids.
+        # dtype float32: under auto, CPUs with avx512_bf16 or AMX prefill in bfloat16.
         eager = Engine(max_total_tokens=4096, max_running_requests=4, num_threads=2,
-                       cpu_decode_activations="float32")
+                       cpu_decode_activations="float32", dtype="float32")
     except FileNotFoundError as e:
         pytest.skip(str(e))
     tok = eager.tokenizer

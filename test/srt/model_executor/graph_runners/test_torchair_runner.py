@@ -60,7 +60,8 @@ def compiled_runner(eager: ModelRunner, backend, page_size: int, buckets: tuple[
                     ascend: bool = False) -> ModelRunner:
     """A ModelRunner sharing `eager`'s model whose decode runs in a TorchAirRunner."""
     mr = make_runner(eager.server_args.model_path, runner_from=eager, page_size=page_size,
-                     torch_compile_max_bs=max(buckets), cuda_graph_bs=buckets)
+                     torch_compile_max_bs=max(buckets), cuda_graph_bs=buckets,
+                     dtype=eager.server_args.dtype)
     if ascend:
         mr.attn_backend = AscendAttnBackend(mr.allocator, mr.context_len,
                                             ops=ReferenceAttentionOps())
@@ -169,7 +170,9 @@ def test_50_steps_changing_lengths_and_sizes_do_not_recompile(recorded):
 # symbolic graph inputs that feed only the attention op, and never recompile.
 @pytest.fixture(scope="module")
 def ascend_recorded(tiny_llama_dir):
-    eager = make_runner(tiny_llama_dir, page_size=16)
+    # float32 pinned: under --dtype auto a CPU with avx512_bf16 or AMX multiplies in bfloat16,
+    # which turns the stand-in attention's float32 rounding differences into bf16-sized ones.
+    eager = make_runner(tiny_llama_dir, page_size=16, dtype="float32")
     recorder = Recorder()
     return compiled_runner(eager, recorder, 16, (1, 4), ascend=True), recorder, eager
 
