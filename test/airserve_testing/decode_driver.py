@@ -113,7 +113,7 @@ def run_side_by_side(graph: ModelRunner, eager: ModelRunner, prompts: list[list[
 
 def q4_1_decode_op(runner: ModelRunner) -> str:
     """The operator a Q4_1 layer's packed decode product calls under `runner`'s
-    --cpu-decode-activations (auto takes int8 for Q4_1)."""
+    --cpu-decode-activations (auto keeps Q4_1 in float32; int8 takes the int8 product)."""
     from airserve.srt.layers.quant.block_matvec import resolve_activations
 
     act = resolve_activations(runner.server_args.cpu_decode_activations, "q4_1")

@@ -220,14 +220,14 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     report."""
     from airserve.srt.layers.linear import packed_report
 
-    assert block_matvec.AUTO_INT8_KINDS == {"q4_1", "q5_0"}
+    assert block_matvec.AUTO_INT8_KINDS == {"q5_0"}
     for kind in KINDS:
         want = "int8" if kind in block_matvec.AUTO_INT8_KINDS else "float32"
         assert block_matvec.resolve_activations("auto", kind) == want
         assert block_matvec.resolve_activations("float32", kind) == "float32"
     with pytest.raises(ValueError, match="activations='int4'"):
         block_matvec.resolve_activations("int4", "q4_1")
-    parts = [any_packed("q4_1", 16, 256, seed=1), any_packed("q4_k", 8, 256, seed=2)]
+    parts = [any_packed("q5_0", 16, 256, seed=1), any_packed("q4_k", 8, 256, seed=2)]
     layer = Linear(256, 24, bias=False)
     layer.attach_packed(parts, 4, "auto", drop_weight=True)
     x = torch.randn(2, 256)
@@ -237,8 +237,8 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     assert not torch.equal(packed_linear(x, parts[0], "int8"), packed_linear(x, parts[0]))
     report = packed_report([layer])
     assert report["cpu_decode_activations"] == "auto"
-    assert report["activations_by_kind"] == {"q4_1": "int8", "q4_k": "float32"}
-    assert report["activations_rule"] == ("decode rows: int8 for q4_1, float32 for q4_k; "
+    assert report["activations_by_kind"] == {"q5_0": "int8", "q4_k": "float32"}
+    assert report["activations_rule"] == ("decode rows: int8 for q5_0, float32 for q4_k; "
                                           "extend rows: float32")
     assert report["int8_isa"] == block_matvec.int8_isa()
     assert report["float32_isa"] == block_matvec.float32_isa()

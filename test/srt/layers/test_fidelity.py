@@ -1,9 +1,9 @@
 """The fidelity check of benchmark/kernels/fidelity.py: its metrics on a short text (256
 tokens) for the default model's Q4_1 and a Q4_K_M requantization with int8 in every packed
 layer, and the check behind the default `--cpu-decode-activations auto` on the script's full
-~2,000 tokens: int8 for Q4_1's decode rows must pass (top-1 agreement >= 98%, perplexity within
-1% of the float32 path), so must auto on a Q4_K_M mix (int8 for its Q5_0 layers), and auto
-takes int8 for a K-quant only if it passed."""
+~2,000 tokens: auto on a Q4_K_M mix (int8 for its Q5_0 layers) must pass (top-1 agreement >= 98%,
+perplexity within 1% of the float32 path), the default Q4_1 file stays float32, and auto takes
+int8 for a K-quant only if it passed."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def test_fidelity_metrics(report: dict) -> None:
 
 
 def test_the_default_activations_pass_the_fidelity_check(report: dict) -> None:
-    """The default is auto; on the script's ~2,000 tokens auto (int8 Q4_1 layers, the Q8_0
-    lm_head in float32) passes against float32, and a K-quant takes int8 only if it passed."""
+    """The default is auto. The default model's Q4_1 file stays exact under it: int8 Q4_1 sits
+    at the bar (98.14% on an AVX2 CPU, 97.49% on an AVX-512 one), so auto keeps its products in
+    float32 and the check of the whole file is trivially met; a K-quant takes int8 only if it
+    passed."""
     from airserve.srt.layers.quant.block_matvec import resolve_activations
     from airserve.srt.server_args import ServerArgs
 
     assert ServerArgs().cpu_decode_activations == "auto"
-    assert resolve_activations("auto", "q4_1") == "int8"
-    (row,) = fidelity.check(["Q4_1"], n_tokens=2000, batch=8, activations=("auto",))["rows"]
-    assert row["tokens"] == 8 * 249 and row["ppl_int8"] != row["ppl_float32"], row
-    assert row["passed"], row
+    assert resolve_activations("auto", "q4_1") == "float32"
+    assert resolve_activations("auto", "q8_0") == "float32"
     q4_k_m = report["rows"][1]
     assert resolve_activations("auto", "q4_k") == ("int8" if q4_k_m["passed"] else "float32")
 
@@ -67,7 +67,7 @@ def test_auto_passes_on_a_q4_k_m_mix() -> None:
 
     assert resolve_activations("auto", "q5_0") == "int8"
     (row,) = fidelity.check(["Q4_K_M"], n_tokens=2000, batch=8, activations=("auto",))["rows"]
-    assert row["int8_kinds"] == ["q4_1", "q5_0"] and row["ppl_int8"] != row["ppl_float32"], row
+    assert row["int8_kinds"] == ["q5_0"] and row["ppl_int8"] != row["ppl_float32"], row
     assert row["passed"], row
 
 

@@ -71,12 +71,12 @@ def test_short_extend_is_float32_and_decode_is_int8(tiny_path: str) -> None:
     b.release()
 
 
-def test_graph_runner_equals_eager_under_auto(tmp_path) -> None:
-    """Decode buckets compiled under auto call the int8 Q4_1 product and give eager's greedy
-    tokens (same kernels, same activations)."""
+def test_graph_runner_equals_eager_under_int8(tmp_path) -> None:
+    """Decode buckets compiled with int8 activations call the int8 Q4_1 product and give
+    eager's greedy tokens (same kernels, same activations)."""
     graph, eager, _ = tiny_gguf_runners(str(tmp_path), (1, 2), PACKED_LIMIT,
                                         reference=dict(cpu_decode_activations="float32"),
-                                        cpu_decode_activations="auto")
+                                        cpu_decode_activations="int8")
     prompts = random_prompts(eager.model_config.vocab_size, [6, 9])
     g, e, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=8)
     assert torch.equal(tg, te)
