@@ -135,11 +135,11 @@ def test_fullgraph_compile_calls_the_operator():
 
 
 def test_flag_resolution():
-    # --dtype auto takes the bfloat16 path on CPUs with bf16 dot products (matmul_paths.auto_path)
-    # and then no layer multiplies in float32: sgemm names the unused float32 path.
-    bf16_cpu = matmul_paths.cpu_has_bf16(host_cpu()[1])
-    assert ServerArgs().resolved_large_path == ("bfloat16" if bf16_cpu else "float32")
-    assert ServerArgs().resolved_float32_matmul == ("sgemm" if bf16_cpu else "onednn")
+    # --dtype auto takes the path matmul_paths.auto_path picks for this CPU; where that is not
+    # float32 no layer multiplies in float32 and sgemm names the unused float32 path.
+    auto = matmul_paths.choose_large_path("auto", None, host_cpu()[1])
+    assert ServerArgs().resolved_large_path == auto
+    assert ServerArgs().resolved_float32_matmul == ("onednn" if auto == "float32" else "sgemm")
     assert ServerArgs(dtype="float32").resolved_float32_matmul == "onednn"  # cpu, with oneDNN
     assert ServerArgs(dtype="float32",
                       cpu_float32_matmul="sgemm").resolved_float32_matmul == "sgemm"

@@ -44,7 +44,7 @@ def test_paths_per_rows_and_report(runners):
     assert all(m.path_for(PACKED_LIMIT) == "packed" for m in layers)
     assert all(m.path_for(BUCKETS[1]) == "w8a8_int8" for m in layers)
     assert graph.kernels_report()["matmul_paths"] == [
-        {"rows": f"1-{PACKED_LIMIT}", "path": "packed"},
+        {"rows": f"1-{PACKED_LIMIT}", "path": "packed", "extend_rows": "large path"},
         {"rows": f"{PACKED_LIMIT + 1}+", "path": "w8a8_int8"}]
     # Only the tied lm_head (the embedding's weight) keeps float32 values.
     assert sum(m.weight is not None for m in layers) == 1
