@@ -23,7 +23,7 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip
                                             "sglang-router, or the `test` extra)")
 
 N_NEW = 8
-LONG = 400  # tokens: long enough to be in flight when the worker dies
+LONG = 480  # tokens (the tiny model's context is 512): in flight when the worker dies
 TIMEOUT = 90.0  # catches a hang, never reached by a healthy run
 # The router's --api-key: what its clients send, and what it sends to the workers.
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
