@@ -146,8 +146,9 @@ def test_failed_start_is_reported(tiny_llama_dir, gsm8k_file, tmp_path):
 def test_ctrl_c_stops_the_server(tiny_llama_dir, gsm8k_file, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "cmp"
-    # Long enough that the interrupt lands during the load.
-    argv = _argv(tiny_llama_dir, gsm8k_file, out, "--output-len", "400", "--num-prompts", "8")
+    # Long enough that the interrupt lands during the load: the tiny model decodes ~2000
+    # tokens/s on a fast CPU, so 8 x 400 tokens once finished before the signal arrived.
+    argv = _argv(tiny_llama_dir, gsm8k_file, out, "--output-len", "400", "--num-prompts", "400")
     proc = subprocess.Popen([sys.executable, str(RUNNERS_DIR / "compare_runners.py"), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     servers = []
