@@ -124,3 +124,37 @@ def test_server_args_resolve_on_this_cpu():
     # OpenVINO graphs take their own weights: the path stays float32 under that runner.
     ov = ServerArgs(dtype="float32", enable_torch_compile=True, torch_compile_backend="openvino")
     assert ov.resolved_large_path == "float32"
+
+
+@pytest.mark.parametrize("float32_matmul", ["sgemm", "onednn"])
+def test_bfloat16_keeps_down_proj_in_float32(tmp_path, float32_matmul):
+    """The bfloat16 path leaves down_proj on float32 (matmul_paths.FLOAT32_LAYERS: the default
+    model's answer needs it): those layers keep their float32 weight beside the blocks, every
+    other layer holds bf16 and blocks only, and the report names the float32 layers."""
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    if float32_matmul == "onednn" and not matmul_paths.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    from airserve.srt.model_loader.loader import load_model
+    from airserve_testing.tiny_gguf import write_tiny_gguf
+
+    assert matmul_paths.FLOAT32_LAYERS["bfloat16"] == ("down_proj",)
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, "llama")
+    _, model = load_model(path, "float32", "cpu", packed_decode_max_bs=4,
+                          large_path="bfloat16", float32_matmul=float32_matmul)
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    down = [m for n, m in named if n.endswith("down_proj")]
+    assert down and all(m.large_path == "float32" and m.float32_impl == float32_matmul
+                        and m.weight_bf16 is None for m in down)
+    others = [(n, m) for n, m in named if not n.endswith("down_proj")]
+    assert all(m.large_path == "bfloat16" and m.weight_bf16 is not None for _, m in others)
+    assert all(m.weight is None for n, m in others if n != "lm_head"), "float32 copies kept"
+    # The float32 layers multiply in float32: a large input equals its float64 product.
+    x = torch.randn(12, down[0].in_features)
+    ref = x.double() @ down[0].float_weight().double().T
+    assert relative_error(down[0](x), ref) < TOLERANCE["float32"]
+    report = matmul_path_report([m for _, m in named], [n for n, _ in named])
+    assert report[-1]["path"] == "bfloat16" and report[-1]["float32_layers"] == ["down_proj"]
+    assert report[-1]["float32_impl"] == {float32_matmul: len(down)}
+    assert matmul_path_report([m for _, m in named])[-1]["path"] == ["bfloat16", "float32"]

@@ -62,3 +62,39 @@ def test_default_model_config_and_chat(engine):
         [{"role": "user", "content": "What is the capital of France?"}])
     out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 24})
     assert "Paris" in out["text"]
+
+
+def _runnable_auto_paths() -> list[str]:
+    from airserve.srt.hardware import host_cpu
+    from airserve.srt.layers.quant import matmul_paths
+
+    flags = host_cpu()[1]
+    paths = [p for p in matmul_paths.PATHS if p != "float32" and matmul_paths.auto_eligible(p)]
+    return [pytest.param(p, marks=pytest.mark.skipif(
+        (p == "bfloat16" and not matmul_paths.cpu_has_bf16(flags))
+        or (p in matmul_paths.INT8_PATHS and not matmul_paths.int8_available()),
+        reason=f"this CPU cannot run {p}")) for p in paths]
+
+
+@pytest.mark.parametrize("path", _runnable_auto_paths())
+def test_paths_auto_may_pick_answer_as_float32(engine, path):
+    """What matmul_paths.FIDELITY's "answers" records: every path `auto` may pick answers the
+    README's chat example as float32 does (bf16 in every layer did not: it answered
+    "L'Étoile, la Cité, ...", which is why the bfloat16 path keeps down_proj in float32)."""
+    from airserve.srt.layers.quant import matmul_paths
+
+    flags = ({"dtype": "bfloat16"} if path == "bfloat16"
+             else {"dtype": "float32", "quantization": path})
+    other = Engine(max_total_tokens=2048, max_running_requests=2,
+                   cpu_decode_activations="float32", **flags)
+    try:
+        assert other.model_runner.kernels_report()["matmul_paths"][-1]["path"] == path
+        prompt = other.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}])
+        params = {"temperature": 0, "max_new_tokens": 24}
+        ours = other.generate(prompt, params)["text"]
+    finally:
+        other.shutdown()
+    assert ours == engine.generate(prompt, params)["text"], ours
+    assert "Paris" in ours
+    assert matmul_paths.FIDELITY[path]["passed"]

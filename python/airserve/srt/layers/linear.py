@@ -31,6 +31,7 @@ from airserve.srt.layers.quant.block_matvec import (
 )
 from airserve.srt.layers.quant.matmul_paths import (
     FLOAT32_IMPLS,
+    FLOAT32_LAYERS,
     INT8_PATHS,
     PATHS,
     Float32Weight,
@@ -314,15 +315,24 @@ def activations_rule(resolved: set[tuple[str, str]]) -> str:
     return f"decode rows: {decode}; extend rows: float32"
 
 
-def matmul_path_report(layers: list[Linear]) -> list[dict]:
+def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> list[dict]:
     """Which product each range of input rows (tokens in a forward pass) takes, for
-    /get_server_info: [{"rows": "1-8", "path": "packed"}, {"rows": "9+", "path": ...}]."""
+    /get_server_info: [{"rows": "1-8", "path": "packed"}, {"rows": "9+", "path": ...}]. With
+    the layers' module `names`, a path that keeps some layers in float32 (bfloat16: down_proj)
+    is reported as its own with those layers' kinds under "float32_layers"."""
     limit = min((m.packed_max_rows for m in layers), default=0)
     large = sorted({m.large_path for m in layers})
     ranges = [{"rows": f"1-{limit}", "path": "packed"}] if limit else []
     if limit and any(not m.packed_for_extends for m in layers):
         ranges[0]["extend_rows"] = "large path"  # only decode rows take the packed products
     ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
+    others = [p for p in large if p != "float32"]
+    if names is not None and len(others) == 1 and "float32" in large:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n, m in zip(names, layers)
+                        if m.large_path == "float32"})
+        if kinds == sorted(FLOAT32_LAYERS.get(others[0], ())):
+            ranges[-1]["path"] = others[0]
+            ranges[-1]["float32_layers"] = kinds
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
         ranges[-1]["float32_impl"] = dict(sorted(impls.items()))

@@ -267,7 +267,8 @@ class ModelRunner:
         from airserve.srt.layers import cpu_kernels
         from airserve.srt.layers.linear import Linear, matmul_path_report, packed_report
 
-        layers = [m for m in self.model.modules() if isinstance(m, Linear)]
+        named = [(n, m) for n, m in self.model.named_modules() if isinstance(m, Linear)]
+        layers = [m for _, m in named]
         packed = [m for m in layers if m.packed_kinds and m.packed_max_rows]
         # Block segments by kind (a merged q/k/v layer may hold two kinds).
         kinds = Counter(kind for m in packed for kind in m.packed_kinds)
@@ -280,7 +281,7 @@ class ModelRunner:
             "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32,
         }
         report.update(packed_report(layers))
-        report["matmul_paths"] = matmul_path_report(layers)
+        report["matmul_paths"] = matmul_path_report(layers, [n for n, _ in named])
         if cpu_kernels.unavailable_reason():
             report["cpu_kernels_error"] = cpu_kernels.unavailable_reason()
         return report

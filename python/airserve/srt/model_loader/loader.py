@@ -14,6 +14,7 @@ import torch
 
 from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
+from airserve.srt.layers.quant.matmul_paths import FLOAT32_LAYERS, layer_path
 from airserve.srt.model_loader.gguf_dequant import RAW_TYPES
 from airserve.srt.models.llama import LlamaForCausalLM
 
@@ -148,7 +149,8 @@ def load_model(model_path: str | None, dtype: str, device: str,
     if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
         # Before the float weights load: layers held as blocks only never get a float32 copy.
         types = (*SPLIT_TYPES, *RAW_TYPES) if max_rows else SPLIT_TYPES
-        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all)
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all,
+                                    FLOAT32_LAYERS.get(large_path, ()))
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
     if large_path != "float32" or float32_matmul != "sgemm":
@@ -181,14 +183,16 @@ def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
 
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
-                  activations: str, types: tuple[str, ...], drop_all: bool = False) -> set[str]:
+                  activations: str, types: tuple[str, ...], drop_all: bool = False,
+                  keep_float: tuple[str, ...] = ()) -> set[str]:
     """Give the model the blocks of its GGUF tensors of `types` (q/k/v and gate/up merged);
     a layer with blocks of a `RAW_TYPES` type holds no float weight, nor (with `drop_all`) does
-    any other layer but a tied lm_head. Returns the names of the tensors now held only as
-    blocks (their float values are never read)."""
+    any other layer but a tied lm_head and those named in `keep_float` (the large path's
+    float32 layers). Returns the names of the tensors now held only as blocks (their float
+    values are never read)."""
     kinds, dropped = model.attach_packed_weights(gguf.packed_tensors(types), max_rows,
                                                  activations, drop_raw=bool(max_rows),
-                                                 drop_all=drop_all)
+                                                 drop_all=drop_all, keep_float=keep_float)
     if kinds:
         logger.info("kept GGUF blocks of %s%s; decode batches of <= %d rows multiply with them "
                     "(%s activations)", ", ".join(f"{n} {k} segments" for k, n in
@@ -212,8 +216,10 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     for name, layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
-        layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
+        layer.set_large_path(layer_path(name, path), keep_float=tied, float32_impl=float32_impl,
                              outliers=(outliers or {}).get(name))
-    logger.info("linear layers multiply inputs above the packed limit through %s%s", path,
-                f" ({float32_impl})" if path == "float32" else "")
+    kept = FLOAT32_LAYERS.get(path, ())
+    logger.info("linear layers multiply inputs above the packed limit through %s%s%s", path,
+                f" ({float32_impl})" if path == "float32" else "",
+                f", {', '.join(kept)} in float32 ({float32_impl})" if kept else "")
     return len(layers)
