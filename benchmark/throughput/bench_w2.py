@@ -113,7 +113,7 @@ def run_airserve_offline(job: dict) -> dict:
             "ttft_lone_ms": 1000 * statistics.median(ttft),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "output_ids": [o["output_ids"] for o in outs],
-            "runner": (info.get("graph_runner") or {}).get("name", "eager"),
+            "runner": (info.get("graph_runner") or {}).get("runner", "eager"),
             "eager_fallbacks": info.get("eager_fallbacks")}
 
 

@@ -106,6 +106,27 @@ def test_kv_writes_stay_in_place_under_inductor(runners):
     reqs.release()
 
 
+def compile_workers() -> list:
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "compile_worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+def test_compile_workers_are_gone_after_capture(runners):
+    """Inductor's compile worker processes (each with its own torch) leave with the capture."""
+    import psutil
+
+    _, alive = psutil.wait_procs(compile_workers(), timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
 def test_no_recompile_after_capture(runners):
     """Dynamo's graph counter must not move across decode steps of every bucket and varied
     live lengths (a recompile would stall a step for seconds, or silently run eager)."""

@@ -204,6 +204,15 @@ class CPUGraphRunner(GraphRunner):
                             "attn": self.attn_backend,
                             "req_to_token": self.model_runner.req_to_token_pool})
 
+    def capture(self) -> None:
+        super().capture()
+        # Inductor compiles kernels in a pool of worker processes (torch._inductor.config.
+        # compile_threads, one per core) that each import torch and stay for the life of the
+        # process. The buckets are compiled: free them (a later compile starts a new pool).
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         if self.store is not None and self.store.has(bs) and self.load_bucket(bs):
             return
