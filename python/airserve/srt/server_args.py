@@ -12,6 +12,7 @@ from airserve.srt.layers.attention.registry import (
     DEFAULT_ATTENTION_BACKEND,
     check_page_size,
 )
+from airserve.srt.layers.quant.path_choice import QUANTIZATIONS, check_float32_impl
 from airserve.srt.model_executor.graph_runners.registry import (
     COMPILE_BACKENDS,
     DEFAULT_COMPILE_BACKEND,
@@ -19,10 +20,6 @@ from airserve.srt.model_executor.graph_runners.registry import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# cpu: w8a8_int8 (SGLang's name: int8 weights, dynamic per-token int8 activations) and
-# w8a8_int8_outliers (the same, each layer's outlier input channels multiplied in float32):
-# layers/quant/matmul_paths.py. Kept equal to matmul_paths.QUANTIZATIONS (a test checks).
-QUANTIZATIONS = ("w8a8_int8", "w8a8_int8_outliers")
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -293,7 +290,7 @@ class ServerArgs:
                                  "path only; add --quantization w8a8_int8_outliers (this "
                                  f"configuration uses {self.resolved_large_path})")
         _ = self.resolved_large_path  # a ValueError naming the fix on a CPU that lacks it
-        _ = self.resolved_float32_matmul
+        check_float32_impl(self.cpu_float32_matmul)
 
     # Derived values.
     @property
@@ -305,7 +302,7 @@ class ServerArgs:
         if self.device != "cpu" or self.uses_openvino:
             return "float32"
         from airserve.srt.hardware import host_cpu
-        from airserve.srt.layers.quant.matmul_paths import choose_large_path
+        from airserve.srt.layers.quant.path_choice import choose_large_path
 
         return choose_large_path(self.dtype, self.quantization, host_cpu()[1])
 
@@ -314,7 +311,7 @@ class ServerArgs:
         """The float32 path's implementation (matmul_paths.FLOAT32_IMPLS): sgemm off cpu, under
         OpenVINO (its graphs read the plain weights) and when another path with no float32
         layers (matmul_paths.FLOAT32_LAYERS) is chosen."""
-        from airserve.srt.layers.quant.matmul_paths import FLOAT32_LAYERS, choose_float32_impl
+        from airserve.srt.layers.quant.path_choice import FLOAT32_LAYERS, choose_float32_impl
 
         impl = choose_float32_impl(self.cpu_float32_matmul)  # checks the value everywhere
         path = self.resolved_large_path

@@ -163,7 +163,7 @@ def load_gguf_tokenizer(path: str) -> Tokenizer:
 
 def get_tokenizer(path: str | None) -> Tokenizer:
     """Tokenizer for a model path (HF directory or .gguf file); None means the default model."""
-    from airserve.srt.model_loader.loader import resolve_model_path
+    from airserve.srt.model_loader.model_path import resolve_model_path
 
     path = resolve_model_path(path)
     if path.endswith(".gguf"):

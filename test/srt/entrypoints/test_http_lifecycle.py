@@ -121,6 +121,23 @@ def test_health_is_fast_while_a_batch_decodes(server, http):
     assert latencies[-1] < 0.5
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_http_process_loads_neither_torch_nor_openvino(server, http):
+    """The HTTP process tokenizes and routes; torch and OpenVINO live in the scheduler (each
+    would keep hundreds of MiB resident here). Device discovery runs in a child process and
+    still reaches /get_server_info."""
+    r = http.post("/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 4,
+                                           "temperature": 0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    devices = http.get("/get_server_info").json()["devices"]
+    assert devices["torch"]["version"] and any(d["name"] == "cpu" and d["available"]
+                                               for d in devices["torch"]["devices"])
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        libraries = {line.split()[-1] for line in f if ".so" in line}
+    assert not [lib for lib in libraries if "libtorch" in lib or "openvino" in lib], libraries
+
+
 def metric(client: httpx.Client, name: str) -> float:
     for line in client.get("/metrics").text.splitlines():
         if line.startswith(f"airserve:{name}{{"):

@@ -122,7 +122,7 @@ def test_path_check_fails_a_broken_path(tiny_path_runner):
     ref = fidelity.teacher_forced_prefill(runner, seqs)
     set_large_path(runner.model, "bfloat16")
     for layer in runner.model.model.layers:
-        layer.mlp.down_proj.weight_bf16.mul_(-1)  # a path with a sign error
+        layer.mlp.gate_up_proj.weight_bf16.mul_(-1)  # a path with a sign error
     try:
         broken = fidelity.compare(ref, fidelity.teacher_forced_prefill(runner, seqs))
     finally:

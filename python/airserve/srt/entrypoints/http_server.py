@@ -32,7 +32,7 @@ from airserve.srt.entrypoints import native_api
 from airserve.srt.entrypoints.http_guard import RequestGuard, allowed_hosts
 from airserve.srt.entrypoints.http_utils import ClientDisconnected, error_response
 from airserve.srt.entrypoints.openai_api import OpenAIServing
-from airserve.srt.hardware import discover
+from airserve.srt.hardware import discover_in_child
 from airserve.srt.managers.tokenizer_manager import RequestError, TokenizerManager
 from airserve.srt.managers.validation import RequestLimits
 from airserve.srt.server_args import ServerArgs
@@ -265,7 +265,7 @@ def launch_server(args: ServerArgs) -> int:
 
 async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socket) -> int:
     # Discovery takes seconds (OpenVINO's plugins, a child process probing torch-npu): once, in
-    # a thread, while the scheduler process loads the model.
+    # a thread waiting on its child process, while the scheduler process loads the model.
     devices = asyncio.create_task(asyncio.to_thread(_discover_devices))
     await manager.start()
     metrics = None
@@ -303,8 +303,8 @@ async def _serve(args: ServerArgs, manager: TokenizerManager, sock: socket.socke
 
 
 def _discover_devices() -> dict:
-    try:
-        return discover()
+    try:  # in a child: this process then never imports torch or OpenVINO
+        return discover_in_child()
     except Exception as e:  # a diagnostic: /get_server_info reports it, the server still starts
         logger.warning("device discovery failed: %s: %s", type(e).__name__, e)
         return {"error": f"{type(e).__name__}: {e}"}

@@ -21,10 +21,19 @@ from dataclasses import dataclass, field
 
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.scheduler_process import run_scheduler_process
-from airserve.srt.model_executor.tp_worker import replica_init_addr
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+def replica_init_addr(args: ServerArgs, dp_rank: int) -> str | None:
+    """Where replica `dp_rank`'s ranks meet: --dist-init-addr's port + dp_rank, so that the
+    replicas' groups never share a rendezvous; None (each replica's rank 0 then picks a free
+    loopback port in its own process, `tp_worker.resolve_init_addr`) without the flag."""
+    if args.dist_init_addr is None:
+        return None
+    host, _, port = args.dist_init_addr.rpartition(":")
+    return f"{host}:{int(port) + dp_rank}"
 
 
 @dataclass(eq=False)

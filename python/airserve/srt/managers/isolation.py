@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from airserve.srt.distributed.errors import TensorParallelError
 from airserve.srt.forward_batch import ForwardBatch
-from airserve.srt.model_executor.tp_worker import TensorParallelError
 from airserve.srt.sampling.sampler import sample
 from airserve.srt.sampling.token_mask import apply_grammar_masks
 

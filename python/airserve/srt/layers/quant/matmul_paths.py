@@ -40,44 +40,28 @@ from dataclasses import dataclass
 
 import torch
 
+# What each path is and how flags choose one, without torch (the HTTP process checks the flags).
+from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
+    BF16_FLAGS,
+    DEFAULT_OUTLIER_CHANNELS,
+    FIDELITY,
+    FLOAT32_IMPLS,
+    FLOAT32_LAYERS,
+    INT8_PATHS,
+    PATHS,
+    QUANTIZATIONS,
+    auto_eligible,
+    auto_path,
+    check_float32_impl,
+    choose_float32_impl,
+    choose_large_path,
+    cpu_has_bf16,
+    int8_available,
+    layer_path,
+    onednn_available,
+)
+
 logger = logging.getLogger(__name__)
-
-PATHS = ("float32", "bfloat16", "w8a8_int8", "w8a8_int8_outliers")
-INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
-FLOAT32_IMPLS = ("onednn", "sgemm")
-QUANTIZATIONS = INT8_PATHS  # --quantization values; None: the path follows --dtype
-# Input channels per layer that w8a8_int8_outliers keeps in float32 (--int8-outlier-channels).
-DEFAULT_OUTLIER_CHANNELS = 16
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
-# Layers a path leaves on float32, by the last part of their module name (FIDELITY's note says
-# why bf16 keeps down_proj).
-FLOAT32_LAYERS: dict[str, tuple[str, ...]] = {"bfloat16": ("down_proj",)}
-
-# Fidelity of each path against float32 on the default model (Q4_1), teacher-forced prefill of
-# 1,992 scored tokens of the packaged text: benchmark/kernels/fidelity.py --paths (pass: top-1
-# agreement >= 98% and perplexity within 1%; measured on an AVX2 CPU, where oneDNN emulates
-# bf16 with the same rounding). `auto` picks only paths marked passed here
-# (test/srt/layers/test_matmul_paths.py). w8a8_int8 fails far off: one scale per token cannot
-# serve this model's outlier activation channels (7-bit steps sized by the outliers).
-# `auto` also needs "answers": the default model's answer to the README's chat example ("What
-# is the capital of France?") equal to float32's (test/models/test_default_model_answers.py).
-# bf16 in every layer passed the bar (98.59% / +0.33% with oneDNN's emulated bf16 on AVX2;
-# 98.19% / +0.19% native on an AMD EPYC with avx512_bf16) but not that: its prefill turned the
-# first answer token from "The" into "L'" ("L'Étoile, la Cité, ..."), and the model never said
-# Paris. A probe on that machine kept one kind of layer in float32 at a time: down_proj (fed by
-# the gated MLP activations, the model's outlier channels) or q/k/v in float32 restored the
-# answer, gate/up or the lm_head did not. down_proj is the cheaper of the two (a fifth of the
-# flops per token), so the bfloat16 path keeps it in float32 (`FLOAT32_LAYERS`).
-FIDELITY = {
-    "float32": {"passed": True},  # the reference (exact)
-    # down_proj in float32 (FLOAT32_LAYERS); native bf16, AMD EPYC with avx512_bf16.
-    "bfloat16": {"passed": True, "top1_agreement": 0.9844, "ppl_change": 0.0011},
-    "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
-    # 16 outlier channels per layer (the default), 8-bit activations, 7-bit weights; other
-    # variants (more channels, lm_head float32, SmoothQuant scales) in the README: none passed.
-    "w8a8_int8_outliers": {"passed": False, "top1_agreement": 0.9523, "ppl_change": 0.0068},
-}
-
 
 # The batch size oneDNN lays the reordered weight out for. On the default model's shapes
 # (benchmark/kernels/bench_matmul_paths.py --onednn-hints, 2 threads, AVX2 EPYC) hints of 16,
@@ -85,75 +69,6 @@ FIDELITY = {
 # (results/matmul_float32_onednn_hints_amd_epyc_avx2.json), all ahead of sgemm in most rows;
 # 64 (the W2 decode batch) stays.
 ONEDNN_BATCH_HINT = 64
-
-
-def onednn_available() -> bool:
-    """Whether this torch has oneDNN (mkldnn) for CPU matmuls."""
-    return torch.backends.mkldnn.is_available()
-
-
-def choose_float32_impl(requested: str) -> str:
-    """The float32 implementation for --cpu-float32-matmul `requested` ("auto", or one of
-    `FLOAT32_IMPLS`). Raises ValueError naming the flag when oneDNN is requested but absent."""
-    if requested == "auto":
-        return "onednn" if onednn_available() else "sgemm"
-    if requested not in FLOAT32_IMPLS:
-        raise ValueError(f"cpu_float32_matmul={requested!r}: choose auto or one of "
-                         f"{', '.join(FLOAT32_IMPLS)}")
-    if requested == "onednn" and not onednn_available():
-        raise ValueError("--cpu-float32-matmul onednn: this torch has no oneDNN (mkldnn) CPU "
-                         "backend; use --cpu-float32-matmul sgemm (or auto)")
-    return requested
-
-
-def cpu_has_bf16(flags: frozenset[str]) -> bool:
-    return any(f in flags for f in BF16_FLAGS)
-
-
-def int8_available() -> bool:
-    """Whether torch has fbgemm here (x86 with AVX2 or better)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str]) -> str:
-    """The path of products above the packed limit for --dtype, --quantization and a CPU with
-    `flags`. Raises ValueError naming the fix when the CPU cannot run the requested path."""
-    if quantization in INT8_PATHS:
-        if not int8_available():
-            raise ValueError(f"--quantization {quantization} needs torch's fbgemm int8 kernels "
-                             "(an x86 CPU with AVX2); this torch has none: drop --quantization")
-        return quantization
-    if quantization is not None:
-        raise ValueError(f"--quantization {quantization}: choose one of {QUANTIZATIONS}")
-    if dtype == "bfloat16":
-        if not cpu_has_bf16(flags):
-            raise ValueError("--dtype bfloat16 on this CPU: it has no bf16 dot products "
-                             f"({' or '.join(BF16_FLAGS)}), so bf16 matmuls would run slower "
-                             "than float32; use --dtype float32 (or auto)")
-        return "bfloat16"
-    if dtype in ("float32", "float16"):
-        return "float32"
-    return auto_path(flags)
-
-
-def auto_path(flags: frozenset[str]) -> str:
-    """The fastest path on a CPU with `flags` among those whose fidelity passed."""
-    ranked = ["bfloat16"] if cpu_has_bf16(flags) else []
-    if int8_available():
-        ranked += ["w8a8_int8", "w8a8_int8_outliers"]
-    ranked.append("float32")
-    return next(p for p in ranked if auto_eligible(p))
-
-
-def layer_path(name: str, path: str) -> str:
-    """The large path of the layer with module name `name` in a model whose path is `path`."""
-    return "float32" if name.rsplit(".", 1)[-1] in FLOAT32_LAYERS.get(path, ()) else path
-
-
-def auto_eligible(path: str) -> bool:
-    """Whether `auto` may pick `path`: its fidelity passed and the default model still answers
-    the README's example as float32 does (FIDELITY)."""
-    return FIDELITY[path]["passed"] and FIDELITY[path].get("answers", True)
 
 
 @dataclass
