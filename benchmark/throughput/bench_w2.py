@@ -56,6 +56,9 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "act-float32": {"cpu_decode_activations": "float32"},
     "act-int8": {"cpu_decode_activations": "int8"},
     "act-auto": {"cpu_decode_activations": "auto"},
+    # Nor these: the KV cache's element type (default auto).
+    "kv-float32": {"kv_cache_dtype": "float32"},
+    "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
 }
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]
@@ -77,7 +80,10 @@ def make_job(args: argparse.Namespace) -> dict:
 
 
 def server_args_for(mode: str, args: argparse.Namespace, path: str = "auto") -> dict:
-    kwargs = dict(MODES[mode], **PATH_ARGS[path])
+    """Engine arguments of `mode` with the PATH_ARGS of `path` ("+"-joined names combine)."""
+    kwargs = dict(MODES[mode])
+    for name in path.split("+"):
+        kwargs.update(PATH_ARGS[name])
     kwargs["num_threads"] = args.num_threads
     kwargs["max_running_requests"] = args.num_prompts
     if getattr(args, "model_path", None):  # bench_w1 --gguf-type: another GGUF of the model
@@ -258,8 +264,9 @@ def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path)
     variant, _, path = variant.partition("+")
     if variant not in MODES:
         raise RuntimeError(f"unknown airserve mode {variant!r}; choose from {sorted(MODES)}")
-    if path and path not in PATH_ARGS:
-        raise RuntimeError(f"unknown matmul path {path!r}; choose from {sorted(PATH_ARGS)}")
+    unknown = [p for p in path.split("+") if p not in PATH_ARGS] if path else []
+    if unknown:
+        raise RuntimeError(f"unknown matmul path {unknown[0]!r}; choose from {sorted(PATH_ARGS)}")
     job["server_args"] = server_args_for(variant, args, path or "auto")
     if kind == "airserve":
         cmd = [sys.executable, __file__, "--worker"]

@@ -22,7 +22,6 @@ SGLANG_FLAGS: dict[str, tuple[tuple, str]] = {
     "--pipeline-parallel-size": ((1,), "pipeline parallelism is not supported"),
     "--ep-size": ((1,), "expert parallelism is not supported"),
     "--enable-dp-attention": ((), "data-parallel attention is not supported"),
-    "--kv-cache-dtype": (("auto",), "the KV cache uses the model dtype (see --dtype)"),
     "--enable-lora": ((), "LoRA adapters are not supported"),
     "--lora-paths": ((), "LoRA adapters are not supported"),
     "--speculative-algorithm": ((), "speculative decoding is not supported"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 # Devices, compile and attention backends come from the runner and backend registries.
 from airserve.srt.layers.attention.registry import (
@@ -20,6 +21,12 @@ from airserve.srt.model_executor.graph_runners.registry import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype (SGLang's flag). auto: the model's dtype (float32 activations on cpu).
+if TYPE_CHECKING:
+    import torch
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES_REFUSED = ("fp8_e5m2", "fp8_e4m3")  # SGLang's fp8 caches: not implemented
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
 OPENVINO_WEIGHTS = ("packed", "float")
@@ -51,10 +58,13 @@ class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
     served_model_name: str | None = None
-    # On cpu, activations, attention and the KV cache are float32 whatever --dtype says; dtype
+    # On cpu, activations and attention arithmetic are float32 whatever --dtype says; dtype
     # and quantization choose how linear layers multiply prefill and batches above
     # --packed-decode-max-bs (`resolved_large_path`; layers/quant/matmul_paths.py).
     dtype: str = "auto"
+    # The KV pool's element type (`resolved_kv_cache_dtype`); on cpu a bfloat16 cache is read
+    # into float32 arithmetic.
+    kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None or one of QUANTIZATIONS (cpu)
     # w8a8_int8_outliers: input channels per layer kept in float32 (None: the default, 16).
     int8_outlier_channels: int | None = None
@@ -168,6 +178,12 @@ class ServerArgs:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype in KV_CACHE_DTYPES_REFUSED:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: fp8 KV caches are not "
+                             f"implemented; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         backend = self.torch_compile_backend
         if backend is not None and backend not in COMPILE_BACKENDS:
             raise ValueError(
@@ -230,6 +246,10 @@ class ServerArgs:
         check_page_size(self.resolved_attention_backend, self.resolved_page_size)
         self._check_parallel()
         self._check_quantization()
+        if self.uses_openvino and self.kv_cache_dtype not in ("auto", "float32"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented for "
+                             "the OpenVINO runner (its graphs take the model's float KV pool); "
+                             "drop the flag")
 
     def _check_decode_chunk(self) -> None:
         size = self.decode_chunked_prefill_size
@@ -319,6 +339,15 @@ class ServerArgs:
                                                           and not FLOAT32_LAYERS.get(path)):
             return "sgemm"
         return impl
+
+    def resolved_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model whose weights are `model_dtype`: the flag, or the
+        model's dtype under auto."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return getattr(torch, self.kv_cache_dtype)
 
     @property
     def resolved_page_size(self) -> int:
@@ -417,6 +446,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="cpu: how prefill and large batches multiply (bfloat16 needs a CPU with "
                         "avx512_bf16 or AMX; auto: the fastest path here that passed the "
                         "fidelity check); activations and KV stay float32")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES + KV_CACHE_DTYPES_REFUSED,
+                   default=d.kv_cache_dtype,
+                   help="the KV cache's element type; auto: the model's (float32 on cpu). "
+                        "bfloat16 halves the cache and the bytes decode attention reads (cpu: "
+                        "still float32 arithmetic); fp8 is not implemented")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
                         "and batches above --packed-decode-max-bs; w8a8_int8_outliers: the same "

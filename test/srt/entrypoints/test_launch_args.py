@@ -57,10 +57,22 @@ def test_abbreviations_are_not_accepted(capsys):
 
 
 def test_unsupported_sglang_flags_are_named(capsys):
-    err = refused(["--pp-size", "2", "--enable-lora", "--kv-cache-dtype", "fp8_e5m2"], capsys)
+    err = refused(["--pp-size", "2", "--enable-lora"], capsys)
     assert "--pp-size 2: pipeline parallelism is not supported" in err
     assert "--enable-lora: LoRA" in err
-    assert "--kv-cache-dtype fp8_e5m2" in err
+
+
+def test_kv_cache_dtype(capsys):
+    import torch
+
+    assert parse_args([]).resolved_kv_cache_dtype(torch.float32) == torch.float32  # auto
+    args = parse_args(["--kv-cache-dtype", "bfloat16"])
+    assert args.resolved_kv_cache_dtype(torch.float32) == torch.bfloat16
+    assert "--kv-cache-dtype fp8_e5m2: fp8 KV caches are not implemented" in refused(
+        ["--kv-cache-dtype", "fp8_e5m2"], capsys)
+    assert "not implemented for the OpenVINO runner" in refused(
+        ["--kv-cache-dtype", "bfloat16", "--enable-torch-compile", "--torch-compile-backend",
+         "openvino"], capsys)
 
 
 def test_bad_values_name_the_flag(capsys):

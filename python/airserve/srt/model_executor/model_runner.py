@@ -21,6 +21,7 @@ from airserve.srt.distributed.sharding import local_kv_heads
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.hardware import check_device
 from airserve.srt.layers.attention.registry import create_attention_backend
+from airserve.srt.layers.attention.torch_native_backend import CPP_KV_DTYPES
 from airserve.srt.mem_cache.memory_pool import (
     PagedAllocator,
     ReqToTokenPool,
@@ -78,6 +79,7 @@ class ModelRunner:
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = args.resolved_kv_cache_dtype(self.dtype)
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.fallback_counts: Counter[str] = Counter()
         self.graph_replays = 0  # decode steps served by the graph runner
@@ -95,7 +97,7 @@ class ModelRunner:
         # This rank's KV heads (all of them at tp size 1).
         kv_heads = local_kv_heads(cfg.num_key_value_heads, self.tp.size)
         per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads,
-                                                  cfg.head_dim, self.dtype)
+                                                  cfg.head_dim, self.kv_dtype)
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS[self.device]
         tokens, self.kv_pool_sized_by = self._kv_pool_tokens(per_token, max_running, page)
         if self.tp.size > 1:  # every rank holds the same slots: the smallest pool of them
@@ -105,15 +107,16 @@ class ModelRunner:
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, max_blocks * page, self.device)
         self.kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, page,
-                                     kv_heads, cfg.head_dim, self.dtype,
+                                     kv_heads, cfg.head_dim, self.kv_dtype,
                                      self.device)
         self.allocator = PagedAllocator(self.req_to_token_pool, num_pages, page)
         self.kv_cache = KVCache(self.kv_pool.k_buffers, self.kv_pool.v_buffers, page)
-        logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB), sized by %s; context %d, "
-                    "%d running requests at most (--max-total-tokens, --max-running-requests "
-                    "change them)", (num_pages - 1) * page, num_pages - 1, page,
-                    self.kv_pool.memory_bytes() / 2**30, self.kv_pool_sized_by, self.context_len,
-                    max_running)
+        logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB, %s), sized by %s; "
+                    "context %d, %d running requests at most (--max-total-tokens, "
+                    "--max-running-requests change them)", (num_pages - 1) * page,
+                    num_pages - 1, page, self.kv_pool.memory_bytes() / 2**30,
+                    str(self.kv_dtype).removeprefix("torch."), self.kv_pool_sized_by,
+                    self.context_len, max_running)
 
     def _kv_pool_tokens(self, per_token: int, max_running: int, page: int) -> tuple[int, str]:
         """Tokens for the KV pool and what decided them: the flag, else every running request
@@ -278,7 +281,9 @@ class ModelRunner:
             "linear_layers": len(layers),
             "decode_weight_mib_bs1": round(self.model.decode_weight_bytes(1) / 2**20, 1),
             # The backend decided at creation; its decode op also needs float32 q and KV.
-            "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32,
+            "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32
+            and self.kv_dtype in CPP_KV_DTYPES,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
         report.update(packed_report(layers))
         report["matmul_paths"] = matmul_path_report(layers, [n for n, _ in named])

@@ -2,7 +2,8 @@
 every instruction set this CPU offers: random batches and ragged lengths (lengths not multiples
 of the kernel's 8-token blocks or 64-token chunks), GQA group sizes 1/3/4, head sizes 64/128
 (and 40, which the vector loops leave to plain C++), pages of 1 and 16 with shuffled block
-tables, 1 and 2 threads (long rows are split over the threads and merged)."""
+tables, 1 and 2 threads (long rows are split over the threads and merged); float32 and bfloat16
+caches (bf16 rows widened to float32 as read: the reference reads the same rounded values)."""
 
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ def isa(request):
     tnb.use_attention_isa("auto")
 
 
-def make_case(bs, max_len, kv_heads, group, dim, page_size, seed):
+def make_case(bs, max_len, kv_heads, group, dim, page_size, seed, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, max_len + 1, (bs,), generator=g, dtype=torch.int32)
     lens[0] = max_len
     width = -(-max_len // page_size) + 1  # one padding block past the longest row
     pages = bs * width + 2
-    k_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g)
+    k_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g).to(kv_dtype)
     # Shuffled distinct pages (never page 0); the padding past each row is page 0.
     table = (torch.randperm(pages - 1, generator=g)[:bs * width] + 1).to(torch.int32)
     table = table.view(bs, width)
@@ -79,13 +80,15 @@ def reference(q, k_cache, v_cache, table, lens, page_size, scale):
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "bs{}-L{}-kvh{}-g{}-d{}-p{}-t{}".format(*c))
-def test_matches_float64_reference_and_writes_only_out_cache_loc(isa, case):
+def test_matches_float64_reference_and_writes_only_out_cache_loc(isa, case, kv_dtype):
     bs, max_len, kv_heads, group, dim, page_size, threads = case
     q, k, v, k_cache, v_cache, loc, table, lens = make_case(
-        bs, max_len, kv_heads, group, dim, page_size, seed=sum(case))
+        bs, max_len, kv_heads, group, dim, page_size, seed=sum(case), kv_dtype=kv_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    expected_k[loc], expected_v[loc] = k, v
+    # Written as torch converts (bf16: round to nearest even).
+    expected_k[loc], expected_v[loc] = k.to(kv_dtype), v.to(kv_dtype)
     scale = dim ** -0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

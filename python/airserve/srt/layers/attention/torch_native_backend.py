@@ -47,16 +47,18 @@ def paged_decode_attention_kernel(
     # per-op overhead (index_select is ~3x cheaper than advanced indexing here).
     slots = _live_slots(block_table, live, page_size).flatten()  # [bs * live]
     shape = (bs, live) + k_cache.shape[1:]
-    keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)  # [bs, KVH, live, D]
-    values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
+    # The cache's values in the queries' dtype: a bf16 cache under float32 queries (CPU)
+    # attends in float32, as the C++ operator does.
+    keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
+    values = v_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
     mask = None
     if bs > 1 or capturing:  # else all `live` positions of the one row are its own
         positions = torch.arange(live, device=q.device)
         mask = (positions < seq_lens[:, None])[:, None, None, :]  # [bs, 1, 1, live]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=mask, scale=scale,
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
         enable_gqa=True)  # [bs, H, 1, D]
-    return out.view(bs, num_heads, head_dim).to(q.dtype)
+    return out.view(bs, num_heads, head_dim)
 
 
 # Looked up at call time, so tests can wrap the kernel the compiled graphs call.
@@ -86,9 +88,15 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
     return torch.empty_like(q)
 
 
+# KV cache dtypes the C++ decode operator reads (its queries and arithmetic are float32).
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, cpp_built: bool):
-    """The C++ operator for float32 on the host CPU when it is built, else the torch ops."""
-    if cpp_built and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
+    """The C++ operator for float32 queries over a float32 or bf16 cache on the host CPU when
+    it is built, else the torch ops."""
+    if (cpp_built and q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype in CPP_KV_DTYPES):
         return torch.ops.airserve.paged_decode_attention_cpu.default
     return paged_decode_attention
 
@@ -165,15 +173,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         new = fb.extend_seq_lens_cpu[i]
         total = prefix + new
         slots = self.allocator.req_to_token[fb.req_pool_indices[i], :total].to(torch.int64)
-        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, total, D]
-        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        # [1, KVH, total, D], in the queries' dtype (a bf16 cache attends in float32 on CPU)
+        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         query = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
         # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
         rows = torch.arange(new, device=q.device)[:, None] + prefix
         mask = torch.arange(total, device=q.device)[None, :] <= rows
         o = torch.nn.functional.scaled_dot_product_attention(
-            query.to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + new] = o[0].transpose(0, 1).to(q.dtype)
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + new] = o[0].transpose(0, 1)
 
     def _one_token_rows(self, q, k, v, k_cache, v_cache, out, rows: list[int],
                         at: list[int], scale: float, fb: ForwardBatch) -> None:
@@ -211,11 +220,13 @@ def _causal_rows(q, k, v, out, starts: list[int], new: int, scale: float,
             part = torch.stack([t[s:s + new] for s in starts])
         return part.transpose(1, 2)
 
-    # The keys as the cache holds them (its dtype), as the gathered path reads them.
-    keys, values = gather(k.to(kv_dtype)), gather(v.to(kv_dtype))
+    # The keys as the cache holds them (rounded to its dtype), as the gathered path reads them,
+    # in the queries' dtype.
+    keys = gather(k.to(kv_dtype).to(q.dtype))
+    values = gather(v.to(kv_dtype).to(q.dtype))
     o = torch.nn.functional.scaled_dot_product_attention(
-        gather(q).to(kv_dtype), keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    o = o.transpose(1, 2).to(q.dtype)  # [rows, new, H, D]
+        gather(q), keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)  # [rows, new, H, D]
     if len(starts) > 1 and starts != [starts[0] + j * new for j in range(len(starts))]:
         for j, s in enumerate(starts):
             out[s:s + new] = o[j]

@@ -1,4 +1,6 @@
-// Paged decode attention on the host CPU, float32: one new token per sequence.
+// Paged decode attention on the host CPU: one new token per sequence, float32 queries and
+// arithmetic over a float32 or bfloat16 KV cache (bf16 rows are widened to float32 as they are
+// read: half the bytes of the memory-bound part, the same arithmetic).
 //
 // Writes the new token's K/V into the pool at out_cache_loc, then attends each query over the
 // first seq_lens[b] positions of its block table (the padded tail is never read).
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -42,11 +45,31 @@ constexpr int64_t kChunk = 64;  // tokens per chunk: its V rows of one head stay
 constexpr int64_t kParallelMinWork = 1024;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// What one sequence reads: all its KV heads. Rows are `row` floats apart in the pool.
+// A KV cache element: float, or bfloat16 held as its 16 bits (the high half of a float).
+using bf16_t = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(bf16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void narrow(float x, float* to) { *to = x; }
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays a NaN).
+inline void narrow(float x, bf16_t* to) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  *to = std::isnan(x) ? bf16_t(0x7fc0) : bf16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// What one sequence reads: all its KV heads. Rows are `row` elements apart in the pool.
+template <typename T>
 struct Segment {
-  const float* q;   // [KVH * group, D], already multiplied by the scale
-  const float* kc;  // pool base (+ head offset in a one-head view)
-  const float* vc;
+  const float* q;  // [KVH * group, D], already multiplied by the scale
+  const T* kc;     // pool base (+ head offset in a one-head view)
+  const T* vc;
   const int32_t* table;  // this sequence's block table
   int64_t page_size, row, group, dim;
 
@@ -67,8 +90,9 @@ struct Partial {
   }
 };
 
-// Pool offsets (in floats, before the head offset) of tokens [t0, t0 + n).
-inline void gather_rows(const Segment& s, int64_t t0, int64_t n, int64_t* off) {
+// Pool offsets (in elements, before the head offset) of tokens [t0, t0 + n).
+template <typename T>
+inline void gather_rows(const Segment<T>& s, int64_t t0, int64_t n, int64_t* off) {
   if (s.page_size == 1) {
     for (int64_t j = 0; j < n; ++j) off[j] = int64_t(s.table[t0 + j]) * s.row;
     return;
@@ -81,8 +105,9 @@ inline void gather_rows(const Segment& s, int64_t t0, int64_t n, int64_t* off) {
 
 // Asks for the K and V rows (all heads) at `off` to be brought into L2: a chunk's rows are
 // scattered over the pool, which the hardware prefetchers cannot guess.
-inline void prefetch_rows(const Segment& s, const int64_t* off, int64_t n) {
-  const int64_t bytes = s.row * int64_t(sizeof(float));
+template <typename T>
+inline void prefetch_rows(const Segment<T>& s, const int64_t* off, int64_t n) {
+  const int64_t bytes = s.row * int64_t(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
     const char* k = reinterpret_cast<const char*>(s.kc + off[j]);
     const char* v = reinterpret_cast<const char*>(s.vc + off[j]);
@@ -103,13 +128,14 @@ namespace attn_avx2 {
 #endif  // AIRSERVE_ATTN_AVX2
 
 // The same three steps in plain C++: any CPU, any head size.
-void chunk_scores_portable(const Segment& s, const int64_t* off, int64_t n, float* sc) {
+template <typename T>
+void chunk_scores_portable(const Segment<T>& s, const int64_t* off, int64_t n, float* sc) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = s.kc + off[j];
+    const T* k = s.kc + off[j];
     for (int64_t g = 0; g < s.group; ++g) {
       const float* q = s.q + g * s.dim;
       float acc = 0.f;
-      for (int64_t d = 0; d < s.dim; ++d) acc += q[d] * k[d];
+      for (int64_t d = 0; d < s.dim; ++d) acc += q[d] * widen(k[d]);
       sc[g * kChunk + j] = acc;
     }
   }
@@ -121,21 +147,23 @@ float exp_shifted_portable(float* p, int64_t n, float mx) {
   return total;
 }
 
-void chunk_values_portable(const Segment& s, const int64_t* off, int64_t n, const float* w,
+template <typename T>
+void chunk_values_portable(const Segment<T>& s, const int64_t* off, int64_t n, const float* w,
                            float* o) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = s.vc + off[j];
+    const T* v = s.vc + off[j];
     for (int64_t g = 0; g < s.group; ++g) {
       float* og = o + g * s.dim;
       const float p = w[g * kChunk + j];
-      for (int64_t d = 0; d < s.dim; ++d) og[d] += p * v[d];
+      for (int64_t d = 0; d < s.dim; ++d) og[d] += p * widen(v[d]);
     }
   }
 }
 
 // Folds tokens [t0, t1) of one KV head's chunk into `acc`.
-void attend_chunk(const Segment& s, const int64_t* off, int64_t n, float* sc, const Partial& acc,
-                  bool vector) {
+template <typename T>
+void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
+                  const Partial& acc, bool vector) {
 #ifdef AIRSERVE_ATTN_AVX2
   if (vector) attn_avx2::chunk_scores(s, off, n, sc);
   else
@@ -166,7 +194,8 @@ void attend_chunk(const Segment& s, const int64_t* off, int64_t n, float* sc, co
 
 // Folds tokens [t0, t1) of a sequence, every KV head, into `acc` (which starts at m = -inf,
 // l = 0, o = 0), chunk by chunk; the next chunk's rows are fetched while one is computed.
-void attend(const Segment& s, int64_t kvh, int64_t t0, int64_t t1, const Partial& acc,
+template <typename T>
+void attend(const Segment<T>& s, int64_t kvh, int64_t t0, int64_t t1, const Partial& acc,
             bool vector) {
   int64_t offsets[2][kChunk];
   // Scores of one chunk for a group; thread-local so no call allocates after warm-up.
@@ -215,10 +244,11 @@ inline void normalize(const Partial& p, float* out, int64_t heads, int64_t dim) 
 
 // One call's shapes and pointers. Segment b of the work line is sequence b, seq_lens[b]
 // positions long.
+template <typename T>
 struct Call {
   const float* qs;  // [bs, H, D] queries times the scale
-  const float* kc;
-  const float* vc;
+  const T* kc;
+  const T* vc;
   const int32_t* table;  // [bs, width]
   const int32_t* lens;   // [bs]
   float* out;            // [bs, H, D]
@@ -226,7 +256,7 @@ struct Call {
   bool vector;
 
   int64_t heads() const { return kvh * group; }
-  Segment segment(int64_t b) const {
+  Segment<T> segment(int64_t b) const {
     return {qs + b * heads() * dim, kc, vc, table + b * width, page_size, kvh * dim, group, dim};
   }
   float* out_of(int64_t b) const { return out + b * heads() * dim; }
@@ -237,7 +267,8 @@ struct Call {
 // Runs the positions [bound[p], bound[p + 1]) of the work line. A segment that lies wholly in
 // the piece is written to the output; one cut by the piece's edge is left in scratch slot
 // 2p (the piece's first segment) or 2p + 1 (its last) for `merge_cut`.
-void run_piece(const Call& c, const std::vector<int64_t>& start, const std::vector<int64_t>& bound,
+template <typename T>
+void run_piece(const Call<T>& c, const std::vector<int64_t>& start, const std::vector<int64_t>& bound,
                int64_t p, float* scratch) {
   thread_local std::vector<float> whole_state;
   whole_state.resize(c.state_size());
@@ -256,7 +287,8 @@ void run_piece(const Call& c, const std::vector<int64_t>& start, const std::vect
 }
 
 // Combines the pieces' parts of every segment that a piece boundary cuts, into the output.
-void merge_cut(const Call& c, const std::vector<int64_t>& start,
+template <typename T>
+void merge_cut(const Call<T>& c, const std::vector<int64_t>& start,
                const std::vector<int64_t>& bound, float* scratch) {
   const int64_t pieces = int64_t(bound.size()) - 1;
   int64_t last = -1;
@@ -276,7 +308,8 @@ void merge_cut(const Call& c, const std::vector<int64_t>& start,
 }
 
 // Cuts the work line into `pieces` runs of equal length, one per thread, and runs them.
-void run(const Call& c, int64_t segments, int64_t pieces) {
+template <typename T>
+void run(const Call<T>& c, int64_t segments, int64_t pieces) {
   std::vector<int64_t> start(segments + 1, 0);
   for (int64_t i = 0; i < segments; ++i) start[i + 1] = start[i] + c.lens[i];
   std::vector<int64_t> bound(pieces + 1);
@@ -334,6 +367,25 @@ std::string set_attention_isa(const std::string& name) {
               "' (auto, avx2, scalar)");
 }
 
+// Writes each sequence's new K/V row into the cache (narrowed to its element type T), then
+// attends every sequence.
+template <typename T>
+void attend_all(const float* qs, const float* kp, const float* vp, at::Tensor& k_cache,
+                at::Tensor& v_cache, const int64_t* locp, const int32_t* tp, const int32_t* lp,
+                float* op, int64_t bs, int64_t width, int64_t page_size, int64_t kvh,
+                int64_t group, int64_t dim, bool vector, int64_t pieces) {
+  T* kc = static_cast<T*>(k_cache.data_ptr());
+  T* vc = static_cast<T*>(v_cache.data_ptr());
+  const int64_t row = kvh * dim;
+  for (int64_t b = 0; b < bs; ++b)
+    for (int64_t i = 0; i < row; ++i) {
+      narrow(kp[b * row + i], kc + locp[b] * row + i);
+      narrow(vp[b * row + i], vc + locp[b] * row + i);
+    }
+  const Call<T> call{qs, kc, vc, tp, lp, op, width, page_size, kvh, group, dim, vector};
+  run(call, bs, pieces);
+}
+
 template <typename T>
 const T* typed(const at::Tensor& t, at::ScalarType type, at::Tensor& keep) {
   keep = (t.scalar_type() == type && t.is_contiguous()) ? t : t.to(type).contiguous();
@@ -347,9 +399,11 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
                                       const at::Tensor& seq_lens_in, int64_t page_size,
                                       double scale) {
   const char* name = "airserve::paged_decode_attention_cpu";
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              name, ": float32 queries and KV cache only");
+  const at::ScalarType kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16) &&
+                  v_cache.scalar_type() == kv_type,
+              name, ": float32 queries, and a float32 or bfloat16 KV cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   v_cache.sizes() == k_cache.sizes(),
               name, ": the KV buffers must be contiguous [num_slots, KVH, D]");
@@ -371,8 +425,6 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
                   v_in.numel() == bs * KVH * D,
               name, ": k, v, out_cache_loc, block_table and seq_lens must have bs rows");
   const int64_t group = H / KVH, row = KVH * D, pages = slots / page_size;
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   int64_t total = 0;  // work: cached positions over all (sequence, KV head) segments
   for (int64_t b = 0; b < bs; ++b) {
     TORCH_CHECK(locp[b] >= 0 && locp[b] < slots, name, ": out_cache_loc out of range");
@@ -382,8 +434,6 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
     for (int64_t i = 0; i < blocks; ++i)
       TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < pages, name,
                   ": block_table[", b, ", ", i, "]=", tp[b * width + i], " is not a page");
-    std::copy_n(kp + b * row, row, kc + locp[b] * row);
-    std::copy_n(vp + b * row, row, vc + locp[b] * row);
     total += int64_t(lp[b]) * KVH;
   }
   at::Tensor out = at::empty({bs, H, D}, q_in.options());
@@ -396,8 +446,13 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const int64_t pieces = total < kParallelMinWork ? 1
                                                   : std::min<int64_t>(at::get_num_threads(),
                                                                       total / KVH);
-  const Call call{qs.data(), kc, vc, tp, lp, op, width, page_size, KVH, group, D, vector};
-  run(call, bs, pieces);
+  if (kv_type == at::kFloat) {
+    attend_all<float>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
+                      page_size, KVH, group, D, vector, pieces);
+  } else {
+    attend_all<bf16_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
+                       page_size, KVH, group, D, vector, pieces);
+  }
   return out;
 }
 

@@ -1,0 +1,70 @@
+"""--kv-cache-dtype bfloat16 on CPU: the pool holds bf16, decode reads it through the C++
+operator (float32 arithmetic) in eager steps and in the CPU graph runner's buckets alike, and
+the buckets match eager on the same cache; a float32 cache gives different (close) logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airserve.srt.layers import cpu_kernels
+from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+from airserve_testing import Requests, make_runner, random_prompts, run_side_by_side
+
+# bf16 cache on both sides; inductor fuses and reorders the float32 work around the attention.
+ATOL = 1e-4
+BUCKETS = (1, 4)
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_llama_dir):
+    if not cpu_kernels.available():
+        pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
+    eager = make_runner(tiny_llama_dir, kv_cache_dtype="bfloat16", dtype="float32")
+    graph = make_runner(tiny_llama_dir, runner_from=eager, kv_cache_dtype="bfloat16",
+                        dtype="float32", enable_torch_compile=True, cuda_graph_bs=BUCKETS)
+    float32 = make_runner(tiny_llama_dir, runner_from=eager, dtype="float32")
+    assert isinstance(graph.graph_runner, CPUGraphRunner)
+    return graph, eager, float32
+
+
+def decode_ops(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def test_pool_is_bf16_and_half_the_bytes(runners):
+    graph, eager, float32 = runners
+    assert all(b.dtype == torch.bfloat16 for b in eager.kv_pool.k_buffers + eager.kv_pool.v_buffers)
+    assert eager.kernels_report()["kv_cache_dtype"] == "bfloat16"
+    assert eager.kernels_report()["cpp_decode_attention"]
+    assert 2 * eager.kv_pool.memory_bytes() == float32.kv_pool.memory_bytes()
+
+
+@pytest.mark.parametrize("bs", [1, 3, 4])
+def test_buckets_match_eager_on_a_bf16_cache(runners, bs):
+    graph, eager, _ = runners
+    replays = graph.graph_runner.replay_count
+    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
+    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
+    assert graph.graph_runner.replay_count == replays + 6 and not graph.fallback_counts
+    torch.testing.assert_close(lg, le, atol=ATOL, rtol=0)
+    assert torch.equal(tg, te)
+    # Both read the cache through the C++ operator, not the torch fallback.
+    for handle in reqs:
+        ops = decode_ops(lambda h=handle: h.decode(te[-1].tolist()))
+        assert "airserve::paged_decode_attention_cpu" in ops, sorted(ops)
+        handle.release()
+
+
+def test_float32_cache_differs_but_stays_close(runners):
+    _, eager, float32 = runners
+    prompts = random_prompts(eager.model_config.vocab_size, [9, 30])
+    a, b = Requests(eager, prompts), Requests(float32, prompts)
+    tokens = b.prefill_logits.argmax(-1).tolist()
+    la, lb = a.decode(tokens), b.decode(tokens)
+    diff = (la - lb).abs().max().item()
+    assert 1e-6 < diff < 0.1 * lb.abs().max().item(), diff
+    a.release()
+    b.release()
