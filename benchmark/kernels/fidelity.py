@@ -243,17 +243,15 @@ def make_path_runner(model_path: str | None, n_seqs: int, seq_len: int):
 def compare_paths(runner, seqs: list[list[int]], paths: list[str], tokenizer=None,
                   outlier_channels: int | None = None) -> list[dict]:
     """Each of `paths` against the float32 path on `runner`'s model (left on float32).
-    w8a8_int8_outliers calibrates its outlier channels with `tokenizer` first (the loader's
-    calibration text, not the scored one)."""
-    from airserve.srt.layers.quant.int8_calibration import find_outliers
-    from airserve.srt.model_loader.loader import set_large_path
+    w8a8_int8_outliers and bfloat16 calibrate their float32 channels with `tokenizer` first
+    (the loader's calibration text, not the scored one)."""
+    from airserve.srt.model_loader.loader import large_path_outliers, set_large_path
 
     ref = teacher_forced_prefill(runner, seqs)
     rows = []
     for path in paths:
         t0 = time.perf_counter()
-        outliers = (find_outliers(runner.model, tokenizer, outlier_channels)
-                    if path == "w8a8_int8_outliers" else None)
+        outliers = large_path_outliers(runner.model, tokenizer, path, outlier_channels)
         set_large_path(runner.model, path, outliers=outliers)
         row = {"path": path, **compare(ref, teacher_forced_prefill(runner, seqs)),
                "weight_mib": weight_mib(runner.model), "seconds": time.perf_counter() - t0}

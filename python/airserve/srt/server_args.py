@@ -329,14 +329,11 @@ class ServerArgs:
     @property
     def resolved_float32_matmul(self) -> str:
         """The float32 path's implementation (matmul_paths.FLOAT32_IMPLS): sgemm off cpu, under
-        OpenVINO (its graphs read the plain weights) and when another path with no float32
-        layers (matmul_paths.FLOAT32_LAYERS) is chosen."""
-        from airserve.srt.layers.quant.path_choice import FLOAT32_LAYERS, choose_float32_impl
+        OpenVINO (its graphs read the plain weights) and when another path is chosen."""
+        from airserve.srt.layers.quant.path_choice import choose_float32_impl
 
         impl = choose_float32_impl(self.cpu_float32_matmul)  # checks the value everywhere
-        path = self.resolved_large_path
-        if self.device != "cpu" or self.uses_openvino or (path != "float32"
-                                                          and not FLOAT32_LAYERS.get(path)):
+        if self.device != "cpu" or self.uses_openvino or self.resolved_large_path != "float32":
             return "sgemm"
         return impl
 

@@ -126,35 +126,61 @@ def test_server_args_resolve_on_this_cpu():
     assert ov.resolved_large_path == "float32"
 
 
-@pytest.mark.parametrize("float32_matmul", ["sgemm", "onednn"])
-def test_bfloat16_keeps_down_proj_in_float32(tmp_path, float32_matmul):
-    """The bfloat16 path leaves down_proj on float32 (matmul_paths.FLOAT32_LAYERS: the default
-    model's answer needs it): those layers keep their float32 weight beside the blocks, every
-    other layer holds bf16 and blocks only, and the report names the float32 layers."""
+def test_bf16_residual_channels_against_float64():
+    """bf16 with the rounding error of the input's outlier channels added back in float32:
+    the bf16 product (its output rounded to bf16, as torch's CPU bf16 matmul returns it) plus
+    (x - bf16(x)) of those channels times their float32 weight columns; on an input whose few
+    large channels carry most of the product, nearer float64 than plain bf16."""
+    torch.manual_seed(5)
+    k, n, hot = 192, 48, torch.tensor([3, 70, 150])
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(40, k) * 0.1
+    x[:, hot] = torch.randn(40, len(hot)) * 60  # outlier channels
+    ref = x.double() @ w.double().T
+    plain, residual = Linear(k, n, bias=False), Linear(k, n, bias=False)
+    for layer in (plain, residual):
+        with torch.no_grad():
+            layer.weight.copy_(w)
+    plain.set_large_path("bfloat16")
+    residual.set_large_path("bfloat16", outliers=hot)
+    assert residual.weight_bf16 is None and residual.weight is None
+    assert torch.equal(residual.weight_bf16_residual.channels, hot)
+    assert residual.weight_bytes(64) == n * k * 2 + len(hot) * n * 4 + len(hot) * 8
+    xs = x[:, hot]
+    by_hand = (torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
+               + (xs - xs.bfloat16().float()) @ w[:, hot].T)
+    torch.testing.assert_close(residual(x), by_hand, atol=1e-5, rtol=1e-6)
+    err_plain, err_res = relative_error(plain(x), ref), relative_error(residual(x), ref)
+    assert 1e-6 < err_res < min(err_plain, TOLERANCE["bfloat16"]), (err_res, err_plain)
+    # The compiled form calls the same operator through its handle.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        residual(x)
+    ops = {e.name for e in prof.events()}
+    assert "airserve::bf16_residual_linear" in ops, sorted(ops)
+
+
+def test_loader_gives_down_proj_residual_channels(tmp_path):
+    """--dtype bfloat16 on a GGUF: down_proj layers (matmul_paths.BF16_RESIDUAL_LAYERS) get
+    BF16_RESIDUAL_CHANNELS residual channels from the calibration prefill, the other layers
+    plain bf16; no float32 copy of any weight is kept but the tied lm_head's; the report
+    names them."""
     if not block_matvec.kernels_available():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
-    if float32_matmul == "onednn" and not matmul_paths.onednn_available():
-        pytest.skip("this torch has no oneDNN")
     from airserve.srt.model_loader.loader import load_model
     from airserve_testing.tiny_gguf import write_tiny_gguf
 
-    assert matmul_paths.FLOAT32_LAYERS["bfloat16"] == ("down_proj",)
+    assert matmul_paths.BF16_RESIDUAL_LAYERS == ("down_proj",)
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(path, "llama")
-    _, model = load_model(path, "float32", "cpu", packed_decode_max_bs=4,
-                          large_path="bfloat16", float32_matmul=float32_matmul)
+    _, model = load_model(path, "float32", "cpu", packed_decode_max_bs=4, large_path="bfloat16")
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     down = [m for n, m in named if n.endswith("down_proj")]
-    assert down and all(m.large_path == "float32" and m.float32_impl == float32_matmul
-                        and m.weight_bf16 is None for m in down)
+    channels = min(matmul_paths.BF16_RESIDUAL_CHANNELS, down[0].in_features)
+    assert down and all(m.large_path == "bfloat16" and m.weight_bf16 is None
+                        and m.weight_bf16_residual.channels.numel() == channels for m in down)
     others = [(n, m) for n, m in named if not n.endswith("down_proj")]
-    assert all(m.large_path == "bfloat16" and m.weight_bf16 is not None for _, m in others)
-    assert all(m.weight is None for n, m in others if n != "lm_head"), "float32 copies kept"
-    # The float32 layers multiply in float32: a large input equals its float64 product.
-    x = torch.randn(12, down[0].in_features)
-    ref = x.double() @ down[0].float_weight().double().T
-    assert relative_error(down[0](x), ref) < TOLERANCE["float32"]
+    assert all(m.weight_bf16 is not None and m.weight_bf16_residual is None for _, m in others)
+    assert all(m.weight is None for n, m in named if n != "lm_head"), "float32 copies kept"
     report = matmul_path_report([m for _, m in named], [n for n, _ in named])
-    assert report[-1]["path"] == "bfloat16" and report[-1]["float32_layers"] == ["down_proj"]
-    assert report[-1]["float32_impl"] == {float32_matmul: len(down)}
-    assert matmul_path_report([m for _, m in named])[-1]["path"] == ["bfloat16", "float32"]
+    assert report[-1]["path"] == "bfloat16"
+    assert report[-1]["bf16_residual_channels"] == {"down_proj": channels}

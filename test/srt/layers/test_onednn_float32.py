@@ -135,14 +135,11 @@ def test_fullgraph_compile_calls_the_operator():
 
 
 def test_flag_resolution():
-    # --dtype auto takes the path matmul_paths.auto_path picks for this CPU; where that path
-    # keeps no layer in float32 sgemm names the unused float32 path.
+    # --dtype auto takes the path matmul_paths.auto_path picks for this CPU; where that is not
+    # float32 no layer multiplies in float32 and sgemm names the unused float32 path.
     auto = matmul_paths.choose_large_path("auto", None, host_cpu()[1])
     assert ServerArgs().resolved_large_path == auto
-    has_float32 = auto == "float32" or bool(matmul_paths.FLOAT32_LAYERS.get(auto))
-    assert ServerArgs().resolved_float32_matmul == ("onednn" if has_float32 else "sgemm")
-    if matmul_paths.cpu_has_bf16(host_cpu()[1]):  # bf16 keeps down_proj in float32
-        assert ServerArgs(dtype="bfloat16").resolved_float32_matmul == "onednn"
+    assert ServerArgs().resolved_float32_matmul == ("onednn" if auto == "float32" else "sgemm")
     assert ServerArgs(dtype="float32").resolved_float32_matmul == "onednn"  # cpu, with oneDNN
     assert ServerArgs(dtype="float32",
                       cpu_float32_matmul="sgemm").resolved_float32_matmul == "sgemm"

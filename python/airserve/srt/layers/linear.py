@@ -31,12 +31,14 @@ from airserve.srt.layers.quant.block_matvec import (
 )
 from airserve.srt.layers.quant.matmul_paths import (
     FLOAT32_IMPLS,
-    FLOAT32_LAYERS,
     INT8_PATHS,
     PATHS,
+    Bf16ResidualWeight,
     Float32Weight,
     Int8Weight,
+    bf16_residual_linear,
     onednn_linear,
+    pack_bf16_residual,
     pack_float32,
     pack_int8,
     w8a8_linear,
@@ -45,7 +47,7 @@ from airserve.srt.layers.quant.packed_or_large import packed_or_large
 
 # Weight forms a Linear holds outside its parameters and buffers (oneDNN-reordered, fbgemm-packed
 # objects, reached by graphs through integer handles).
-OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8")
+OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8", "weight_bf16_residual")
 
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
@@ -65,7 +67,9 @@ class Linear(nn.Linear):
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
-    # bfloat16's weight [N, K] is the buffer weight_bf16 (set by set_large_path).
+    # bfloat16's weight [N, K] is the buffer weight_bf16 (set by set_large_path), or, for a
+    # layer given residual channels, this (matmul_paths.Bf16ResidualWeight).
+    weight_bf16_residual: Bf16ResidualWeight | None = None
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -126,7 +130,9 @@ class Linear(nn.Linear):
         widest product: 64 x 576 x 49152 ran 59 ms by sgemm, 33 ms by oneDNN on a 2-core AMD
         EPYC, AVX2); a layer without a float weight (blocks only: they dequantize per chunk)
         stays on sgemm. w8a8_int8_outliers keeps the input channels `outliers` (from a
-        calibration pass: quant.int8_calibration) in float32 beside the int8 product."""
+        calibration pass: quant.int8_calibration) in float32 beside the int8 product; bfloat16
+        given `outliers` adds those channels' bf16 rounding error back in float32
+        (matmul_paths.Bf16ResidualWeight)."""
         if path not in PATHS:
             raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
         if float32_impl not in FLOAT32_IMPLS:
@@ -134,8 +140,11 @@ class Linear(nn.Linear):
                              f"{', '.join(FLOAT32_IMPLS)}")
         if path != "float32" and _has_no_weight(self.float_source, self.packed_kind):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
+        residual = path == "bfloat16" and outliers is not None
         self.register_buffer("weight_bf16", self.float_weight().bfloat16()
-                             if path == "bfloat16" else None, persistent=False)
+                             if path == "bfloat16" and not residual else None, persistent=False)
+        self.weight_bf16_residual = (pack_bf16_residual(self.float_weight(), outliers)
+                                     if residual else None)
         outlier_path = path == "w8a8_int8_outliers"
         if outlier_path and outliers is None:
             raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
@@ -196,6 +205,8 @@ class Linear(nn.Linear):
         if self.packed_kinds and (path == "packed" or (path == "float32" and self.weight is None)):
             return sum(p.nbytes for p in self.packed_parts)
         if path == "bfloat16":
+            if self.weight_bf16_residual is not None:
+                return self.weight_bf16_residual.nbytes
             return self.weight_bf16.numel() * 2
         if path in INT8_PATHS:
             return self.weight_int8.nbytes
@@ -223,6 +234,8 @@ class Linear(nn.Linear):
             outs = [block_matmul(x, kind, *self._segment(i), self.activations_for(kind, decode))
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        elif path == "bfloat16" and self.weight_bf16_residual is not None:
+            out = bf16_residual_linear(x.contiguous(), self.weight_bf16_residual.handle)
         elif path == "bfloat16":
             out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
         elif path in INT8_PATHS:
@@ -318,21 +331,20 @@ def activations_rule(resolved: set[tuple[str, str]]) -> str:
 def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> list[dict]:
     """Which product each range of input rows (tokens in a forward pass) takes, for
     /get_server_info: [{"rows": "1-8", "path": "packed"}, {"rows": "9+", "path": ...}]. With
-    the layers' module `names`, a path that keeps some layers in float32 (bfloat16: down_proj)
-    is reported as its own with those layers' kinds under "float32_layers"."""
+    the layers' module `names`, bfloat16 layers with residual channels are listed by kind
+    ("bf16_residual_channels": {"down_proj": 16})."""
     limit = min((m.packed_max_rows for m in layers), default=0)
     large = sorted({m.large_path for m in layers})
     ranges = [{"rows": f"1-{limit}", "path": "packed"}] if limit else []
     if limit and any(not m.packed_for_extends for m in layers):
         ranges[0]["extend_rows"] = "large path"  # only decode rows take the packed products
     ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
-    others = [p for p in large if p != "float32"]
-    if names is not None and len(others) == 1 and "float32" in large:
-        kinds = sorted({n.rsplit(".", 1)[-1] for n, m in zip(names, layers)
-                        if m.large_path == "float32"})
-        if kinds == sorted(FLOAT32_LAYERS.get(others[0], ())):
-            ranges[-1]["path"] = others[0]
-            ranges[-1]["float32_layers"] = kinds
+    residual = [(n, m.weight_bf16_residual.channels.numel())
+                for n, m in zip(names or [""] * len(layers), layers)
+                if m.large_path == "bfloat16" and m.weight_bf16_residual is not None]
+    if residual:
+        ranges[-1]["bf16_residual_channels"] = dict(sorted(
+            {n.rsplit(".", 1)[-1] or "layers": k for n, k in residual}.items()))
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
         ranges[-1]["float32_impl"] = dict(sorted(impls.items()))

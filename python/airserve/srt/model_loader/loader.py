@@ -13,7 +13,7 @@ import torch
 
 from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
-from airserve.srt.layers.quant.matmul_paths import FLOAT32_LAYERS, layer_path
+from airserve.srt.layers.quant.path_choice import BF16_RESIDUAL_CHANNELS, BF16_RESIDUAL_LAYERS
 from airserve.srt.model_loader.gguf_dequant import RAW_TYPES
 from airserve.srt.model_loader.model_path import (  # noqa: F401 - re-exported
     DEFAULT_MODEL_FILE,
@@ -126,17 +126,16 @@ def load_model(model_path: str | None, dtype: str, device: str,
     if max_rows or (keep_blocks and gguf is not None and device == "cpu"):
         # Before the float weights load: layers held as blocks only never get a float32 copy.
         types = (*SPLIT_TYPES, *RAW_TYPES) if max_rows else SPLIT_TYPES
-        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all,
-                                    FLOAT32_LAYERS.get(large_path, ()))
+        blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
     if large_path != "float32" or float32_matmul != "sgemm":
         outliers = None
-        if large_path == "w8a8_int8_outliers":
-            from airserve.srt.layers.quant.int8_calibration import find_outliers
+        if large_path in ("w8a8_int8_outliers", "bfloat16"):
             from airserve.srt.tokenizer import get_tokenizer
 
-            outliers = find_outliers(model, get_tokenizer(path), int8_outlier_channels)
+            outliers = large_path_outliers(model, get_tokenizer(path), large_path,
+                                           int8_outlier_channels)
         set_large_path(model, large_path, float32_matmul, outliers)
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device,
@@ -160,16 +159,14 @@ def packed_rows(device: str, dtype: torch.dtype, max_rows: int) -> int:
 
 
 def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
-                  activations: str, types: tuple[str, ...], drop_all: bool = False,
-                  keep_float: tuple[str, ...] = ()) -> set[str]:
+                  activations: str, types: tuple[str, ...], drop_all: bool = False) -> set[str]:
     """Give the model the blocks of its GGUF tensors of `types` (q/k/v and gate/up merged);
     a layer with blocks of a `RAW_TYPES` type holds no float weight, nor (with `drop_all`) does
-    any other layer but a tied lm_head and those named in `keep_float` (the large path's
-    float32 layers). Returns the names of the tensors now held only as blocks (their float
-    values are never read)."""
+    any other layer but a tied lm_head. Returns the names of the tensors now held only as
+    blocks (their float values are never read)."""
     kinds, dropped = model.attach_packed_weights(gguf.packed_tensors(types), max_rows,
                                                  activations, drop_raw=bool(max_rows),
-                                                 drop_all=drop_all, keep_float=keep_float)
+                                                 drop_all=drop_all)
     if kinds:
         logger.info("kept GGUF blocks of %s%s; decode batches of <= %d rows multiply with them "
                     "(%s activations)", ", ".join(f"{n} {k} segments" for k, n in
@@ -177,6 +174,22 @@ def attach_packed(model: LlamaForCausalLM, gguf: GGUFCheckpoint, max_rows: int,
                     f" ({len(dropped)} tensors with no float32 copy)" if dropped else "",
                     max_rows, activations)
     return dropped
+
+
+def large_path_outliers(model: torch.nn.Module, tokenizer: object, path: str,
+                        int8_outlier_channels: int | None = None) -> dict[str, torch.Tensor]:
+    """The input channels, by layer name, that `path` multiplies in float32 beside its own
+    product, from a calibration prefill of the model as it is (float32): every layer's
+    `int8_outlier_channels` (None: the default) under w8a8_int8_outliers, the
+    BF16_RESIDUAL_CHANNELS of the BF16_RESIDUAL_LAYERS under bfloat16; {} for other paths."""
+    from airserve.srt.layers.quant.int8_calibration import find_outliers
+
+    if path == "w8a8_int8_outliers":
+        return find_outliers(model, tokenizer, int8_outlier_channels)
+    if path == "bfloat16":
+        found = find_outliers(model, tokenizer, BF16_RESIDUAL_CHANNELS)
+        return {n: c for n, c in found.items() if n.rsplit(".", 1)[-1] in BF16_RESIDUAL_LAYERS}
+    return {}
 
 
 def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm",
@@ -193,10 +206,10 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     for name, layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
-        layer.set_large_path(layer_path(name, path), keep_float=tied, float32_impl=float32_impl,
+        layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
                              outliers=(outliers or {}).get(name))
-    kept = FLOAT32_LAYERS.get(path, ())
+    residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",
-                f", {', '.join(kept)} in float32 ({float32_impl})" if kept else "")
+                f" ({', '.join(residual)} with float32 residual channels)" if residual else "")
     return len(layers)

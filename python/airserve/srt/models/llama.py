@@ -224,21 +224,17 @@ class LlamaForCausalLM(nn.Module):
     def attach_packed_weights(self, weights: Iterable[tuple[str, PackedWeight]],
                               max_rows: int, activations: str = "float32",
                               drop_raw: bool = False,
-                              drop_all: bool = False,
-                              keep_float: tuple[str, ...] = ()) -> tuple[dict[str, int], set[str]]:
+                              drop_all: bool = False) -> tuple[dict[str, int], set[str]]:
         """Give linear layers this rank's part of the block-quantized copies of their weights
         (HF names; q/k/v and gate/up merged into one block weight each) for inputs of
         <= max_rows rows, products with `activations` ("float32" or "int8"). `drop_raw` frees
         the float weight of a layer with blocks of a `RAW_KINDS` kind (not a weight shared with
         the embedding); `drop_all` frees every such float weight (another matmul path is built
-        from the blocks) but those of layers whose module name ends in one of `keep_float` (the
-        large path keeps them in float32). A merged layer takes blocks only when all its parts
-        have them. Returns ({kind: layers} for the report, checkpoint names whose float copy
-        is freed)."""
+        from the blocks). A merged layer takes blocks only when all its parts have them.
+        Returns ({kind: layers} for the report, checkpoint names whose float copy is freed)."""
         from airserve.srt.layers.quant.block_matvec import RAW_KINDS
 
         targets = checkpoint_targets(self, packed=True)
-        names = {id(m): n for n, m in self.named_modules()}
         pending: dict[int, dict[str, PackedWeight]] = {}
         kinds: dict[str, int] = {}
         dropped: set[str] = set()
@@ -251,9 +247,8 @@ class LlamaForCausalLM(nn.Module):
             if set(parts) != set(layer.part_names):
                 continue
             tied = layer is self.lm_head and self.config.tie_word_embeddings
-            kept = names[id(layer)].rsplit(".", 1)[-1] in keep_float
-            drop = not tied and (drop_all and not kept
-                                 or drop_raw and any(p.kind in RAW_KINDS for p in parts.values()))
+            drop = not tied and (drop_all or drop_raw and any(p.kind in RAW_KINDS
+                                                               for p in parts.values()))
             layer.attach_packed(layer.shard_packed(parts), max_rows, activations, drop)
             if drop:
                 dropped |= {n for n, (m, _, f) in targets.items() if m is layer}

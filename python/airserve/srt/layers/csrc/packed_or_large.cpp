@@ -40,8 +40,10 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
 
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
                  const OptTensor& weight) {
-  if (path == "onednn" || path == "int8") {
-    const char* name = path == "onednn" ? "airserve::onednn_linear" : "airserve::w8a8_linear";
+  if (path == "onednn" || path == "int8" || path == "bf16_residual") {
+    const char* name = path == "onednn" ? "airserve::onednn_linear"
+                       : path == "int8" ? "airserve::w8a8_linear"
+                                        : "airserve::bf16_residual_linear";
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<HandleFn>();
     return op.call(x, handle).to(x.scalar_type());
   }

@@ -8,7 +8,8 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
   bfloat16   F.linear with bf16 weights and activations cast to bf16 per product, result cast
              back to float32 (oneDNN; avx512_bf16 or AMX make it ~2-3x float32; without them
              oneDNN emulates bf16 and it is slower than float32, so it is refused there).
-             down_proj layers stay float32 (FLOAT32_LAYERS).
+             down_proj layers (BF16_RESIDUAL_LAYERS) add back, in float32, the bf16 rounding
+             error of a few outlier input channels found at load (`Bf16ResidualWeight`).
   w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
@@ -39,14 +40,16 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # What each path is and how flags choose one, without torch (the HTTP process checks the flags).
 from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     BF16_FLAGS,
+    BF16_RESIDUAL_CHANNELS,
+    BF16_RESIDUAL_LAYERS,
     DEFAULT_OUTLIER_CHANNELS,
     FIDELITY,
     FLOAT32_IMPLS,
-    FLOAT32_LAYERS,
     INT8_PATHS,
     PATHS,
     QUANTIZATIONS,
@@ -57,7 +60,6 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     choose_large_path,
     cpu_has_bf16,
     int8_available,
-    layer_path,
     onednn_available,
 )
 
@@ -200,6 +202,63 @@ def _onednn_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 @torch.library.register_fake("airserve::onednn_linear")
 def _onednn_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _FLOAT32_WEIGHTS[handle].out_features)
+
+
+@dataclass
+class Bf16ResidualWeight:
+    """The bfloat16 path's weight of a layer fed by outlier input channels: the [N, K] weight in
+    bf16, and its float32 columns at `channels`, through which the product adds back those
+    channels' bf16 rounding error (x - bf16(x)) in float32. Opaque to compiled graphs, which
+    reach it through its handle, like the int8 and oneDNN weights."""
+
+    weight: torch.Tensor  # bf16 [N, K]
+    channels: torch.Tensor  # int64 [k], sorted input channels
+    residual_weight: torch.Tensor  # float32 [k, N]: the weight's columns at `channels`
+    handle: int = -1
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.weight.numel() * 2 + self.residual_weight.numel() * 4
+                + self.channels.numel() * 8)
+
+
+_BF16_WEIGHTS: weakref.WeakValueDictionary[int, Bf16ResidualWeight] = \
+    weakref.WeakValueDictionary()
+
+_lib.define("bf16_residual_linear(Tensor x, int handle) -> Tensor")
+
+
+@torch.library.impl(_lib, "bf16_residual_linear", "CPU")
+def _bf16_residual_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    w = _BF16_WEIGHTS[handle]
+    out = F.linear(x.to(torch.bfloat16), w.weight).float()
+    xs = x.index_select(1, w.channels)
+    return out.addmm_(xs - xs.to(torch.bfloat16).float(), w.residual_weight)
+
+
+@torch.library.register_fake("airserve::bf16_residual_linear")
+def _bf16_residual_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _BF16_WEIGHTS[handle].out_features)
+
+
+def pack_bf16_residual(weight: torch.Tensor, channels: torch.Tensor) -> Bf16ResidualWeight:
+    """The bfloat16 path's weight of float32 [N, K] `weight` with float32 residual columns at
+    input `channels`; the caller keeps it, `bf16_residual_linear` takes its handle."""
+    w = weight.detach().float()
+    channels = channels.to(torch.int64).sort().values
+    packed = Bf16ResidualWeight(w.bfloat16().contiguous(), channels,
+                                w[:, channels].t().contiguous(), next(_handles))
+    _BF16_WEIGHTS[packed.handle] = packed
+    return packed
+
+
+def bf16_residual_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x float32 [M, K] -> [M, N] through the bf16 weight with residual columns `handle`."""
+    return torch.ops.airserve.bf16_residual_linear(x, handle)
 
 
 def pack_float32(weight: torch.Tensor, batch_hint: int = ONEDNN_BATCH_HINT) -> Float32Weight:
