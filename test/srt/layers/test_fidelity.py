@@ -124,9 +124,12 @@ def test_path_check_fails_a_broken_path(tiny_path_runner):
     runner = tiny_path_runner
     seqs = random_prompts(runner.model_config.vocab_size, [40, 40], seed=3)
     ref = fidelity.teacher_forced_prefill(runner, seqs)
+    from airserve.srt.layers.quant.matmul_paths import pack_bf16
+
     set_large_path(runner.model, "bfloat16")
-    for layer in runner.model.model.layers:
-        layer.mlp.gate_up_proj.weight_bf16.mul_(-1)  # a path with a sign error
+    for layer in runner.model.model.layers:  # a path with a sign error
+        gate_up = layer.mlp.gate_up_proj
+        gate_up.weight_bf16 = pack_bf16(-gate_up.weight_bf16.dense().float())
     try:
         broken = fidelity.compare(ref, fidelity.teacher_forced_prefill(runner, seqs))
     finally:

@@ -82,7 +82,7 @@ def test_dispatch_per_rows_and_weights_from_blocks(path):
 def test_tied_weight_stays_and_unknown_path_is_refused():
     layer = Linear(64, 32, bias=False)
     layer.set_large_path("bfloat16", keep_float=True)
-    assert layer.weight is not None and layer.weight_bf16.dtype == torch.bfloat16
+    assert layer.weight is not None and layer.weight_bf16.dense().dtype == torch.bfloat16
     with pytest.raises(ValueError, match="float32, bfloat16"):
         layer.set_large_path("int4")
 
@@ -143,8 +143,8 @@ def test_bf16_residual_channels_against_float64():
             layer.weight.copy_(w)
     plain.set_large_path("bfloat16")
     residual.set_large_path("bfloat16", outliers=hot)
-    assert residual.weight_bf16 is None and residual.weight is None
-    assert torch.equal(residual.weight_bf16_residual.channels, hot)
+    assert residual.weight is None and plain.weight_bf16.channels is None
+    assert torch.equal(residual.weight_bf16.channels, hot)
     assert residual.weight_bytes(64) == n * k * 2 + len(hot) * n * 4 + len(hot) * 8
     xs = x[:, hot]
     by_hand = (torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
@@ -156,7 +156,7 @@ def test_bf16_residual_channels_against_float64():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         residual(x)
     ops = {e.name for e in prof.events()}
-    assert "airserve::bf16_residual_linear" in ops, sorted(ops)
+    assert "airserve::bf16_linear" in ops, sorted(ops)
 
 
 def test_loader_gives_down_proj_residual_channels(tmp_path):
@@ -176,10 +176,10 @@ def test_loader_gives_down_proj_residual_channels(tmp_path):
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     down = [m for n, m in named if n.endswith("down_proj")]
     channels = min(matmul_paths.BF16_RESIDUAL_CHANNELS, down[0].in_features)
-    assert down and all(m.large_path == "bfloat16" and m.weight_bf16 is None
-                        and m.weight_bf16_residual.channels.numel() == channels for m in down)
+    assert down and all(m.large_path == "bfloat16"
+                        and m.weight_bf16.channels.numel() == channels for m in down)
     others = [(n, m) for n, m in named if not n.endswith("down_proj")]
-    assert all(m.weight_bf16 is not None and m.weight_bf16_residual is None for _, m in others)
+    assert all(m.weight_bf16 is not None and m.weight_bf16.channels is None for _, m in others)
     assert all(m.weight is None for n, m in named if n != "lm_head"), "float32 copies kept"
     report = matmul_path_report([m for _, m in named], [n for n, _ in named])
     assert report[-1]["path"] == "bfloat16"

@@ -33,12 +33,12 @@ from airserve.srt.layers.quant.matmul_paths import (
     FLOAT32_IMPLS,
     INT8_PATHS,
     PATHS,
-    Bf16ResidualWeight,
+    Bf16Weight,
     Float32Weight,
     Int8Weight,
-    bf16_residual_linear,
+    bf16_linear,
     onednn_linear,
-    pack_bf16_residual,
+    pack_bf16,
     pack_float32,
     pack_int8,
     w8a8_linear,
@@ -47,7 +47,7 @@ from airserve.srt.layers.quant.packed_or_large import packed_or_large
 
 # Weight forms a Linear holds outside its parameters and buffers (oneDNN-reordered, fbgemm-packed
 # objects, reached by graphs through integer handles).
-OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8", "weight_bf16_residual")
+OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8", "weight_bf16")
 
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
@@ -67,9 +67,7 @@ class Linear(nn.Linear):
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
-    # bfloat16's weight [N, K] is the buffer weight_bf16 (set by set_large_path), or, for a
-    # layer given residual channels, this (matmul_paths.Bf16ResidualWeight).
-    weight_bf16_residual: Bf16ResidualWeight | None = None
+    weight_bf16: Bf16Weight | None = None  # bfloat16's weight (oneDNN-reordered bf16)
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -132,7 +130,7 @@ class Linear(nn.Linear):
         stays on sgemm. w8a8_int8_outliers keeps the input channels `outliers` (from a
         calibration pass: quant.int8_calibration) in float32 beside the int8 product; bfloat16
         given `outliers` adds those channels' bf16 rounding error back in float32
-        (matmul_paths.Bf16ResidualWeight)."""
+        (matmul_paths.Bf16Weight)."""
         if path not in PATHS:
             raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
         if float32_impl not in FLOAT32_IMPLS:
@@ -140,11 +138,8 @@ class Linear(nn.Linear):
                              f"{', '.join(FLOAT32_IMPLS)}")
         if path != "float32" and _has_no_weight(self.float_source, self.packed_kind):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
-        residual = path == "bfloat16" and outliers is not None
-        self.register_buffer("weight_bf16", self.float_weight().bfloat16()
-                             if path == "bfloat16" and not residual else None, persistent=False)
-        self.weight_bf16_residual = (pack_bf16_residual(self.float_weight(), outliers)
-                                     if residual else None)
+        self.weight_bf16 = (pack_bf16(self.float_weight(), outliers)
+                            if path == "bfloat16" else None)
         outlier_path = path == "w8a8_int8_outliers"
         if outlier_path and outliers is None:
             raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
@@ -205,9 +200,7 @@ class Linear(nn.Linear):
         if self.packed_kinds and (path == "packed" or (path == "float32" and self.weight is None)):
             return sum(p.nbytes for p in self.packed_parts)
         if path == "bfloat16":
-            if self.weight_bf16_residual is not None:
-                return self.weight_bf16_residual.nbytes
-            return self.weight_bf16.numel() * 2
+            return self.weight_bf16.nbytes
         if path in INT8_PATHS:
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
@@ -234,10 +227,8 @@ class Linear(nn.Linear):
             outs = [block_matmul(x, kind, *self._segment(i), self.activations_for(kind, decode))
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        elif path == "bfloat16" and self.weight_bf16_residual is not None:
-            out = bf16_residual_linear(x.contiguous(), self.weight_bf16_residual.handle)
         elif path == "bfloat16":
-            out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+            out = bf16_linear(x.contiguous(), self.weight_bf16.handle)
         elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif self.weight_onednn is not None:
@@ -339,9 +330,9 @@ def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> 
     if limit and any(not m.packed_for_extends for m in layers):
         ranges[0]["extend_rows"] = "large path"  # only decode rows take the packed products
     ranges.append({"rows": f"{limit + 1}+", "path": large[0] if len(large) == 1 else large})
-    residual = [(n, m.weight_bf16_residual.channels.numel())
+    residual = [(n, m.weight_bf16.channels.numel())
                 for n, m in zip(names or [""] * len(layers), layers)
-                if m.large_path == "bfloat16" and m.weight_bf16_residual is not None]
+                if m.large_path == "bfloat16" and m.weight_bf16.channels is not None]
     if residual:
         ranges[-1]["bf16_residual_channels"] = dict(sorted(
             {n.rsplit(".", 1)[-1] or "layers": k for n, k in residual}.items()))

@@ -99,7 +99,7 @@ def test_bf16_buckets_match_eager_on_the_same_path(bf16_runners, bs):
     named = [(n, m) for n, m in graph.model.named_modules() if isinstance(m, Linear)]
     # down_proj with residual channels (matmul_paths.BF16_RESIDUAL_LAYERS), the rest plain.
     assert all(m.path_for(bs) == "bfloat16" for _, m in named)
-    assert all((m.weight_bf16_residual is not None) == n.endswith("down_proj") for n, m in named)
+    assert all((m.weight_bf16.channels is not None) == n.endswith("down_proj") for n, m in named)
     replays = graph.graph_runner.replay_count
     prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
     lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)

@@ -40,18 +40,17 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
 
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
                  const OptTensor& weight) {
-  if (path == "onednn" || path == "int8" || path == "bf16_residual") {
+  if (path == "onednn" || path == "int8" || path == "bf16") {
     const char* name = path == "onednn" ? "airserve::onednn_linear"
                        : path == "int8" ? "airserve::w8a8_linear"
-                                        : "airserve::bf16_residual_linear";
+                                        : "airserve::bf16_linear";
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<HandleFn>();
     return op.call(x, handle).to(x.scalar_type());
   }
   TORCH_CHECK(weight.has_value(), "airserve::packed_or_large: path '", path,
               "' needs the weight");
-  if (path == "sgemm") return at::linear(x, *weight);
-  TORCH_CHECK(path == "bfloat16", "airserve::packed_or_large: unknown large path '", path, "'");
-  return at::linear(x.to(at::kBFloat16), *weight).to(x.scalar_type());
+  TORCH_CHECK(path == "sgemm", "airserve::packed_or_large: unknown large path '", path, "'");
+  return at::linear(x, *weight);
 }
 
 std::vector<std::string> split(const std::string& joined) {

@@ -9,7 +9,7 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              back to float32 (oneDNN; avx512_bf16 or AMX make it ~2-3x float32; without them
              oneDNN emulates bf16 and it is slower than float32, so it is refused there).
              down_proj layers (BF16_RESIDUAL_LAYERS) add back, in float32, the bf16 rounding
-             error of a few outlier input channels found at load (`Bf16ResidualWeight`).
+             error of a few outlier input channels found at load (`Bf16Weight`).
   w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
@@ -204,61 +204,89 @@ def _onednn_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _FLOAT32_WEIGHTS[handle].out_features)
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN here multiplies bf16 (natively, or emulated on AVX-512 without bf16)."""
+    return onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 @dataclass
-class Bf16ResidualWeight:
-    """The bfloat16 path's weight of a layer fed by outlier input channels: the [N, K] weight in
-    bf16, and its float32 columns at `channels`, through which the product adds back those
-    channels' bf16 rounding error (x - bf16(x)) in float32. Opaque to compiled graphs, which
-    reach it through its handle, like the int8 and oneDNN weights."""
+class Bf16Weight:
+    """The bfloat16 path's [N, K] weight, reordered once into oneDNN's blocked layout where
+    oneDNN multiplies bf16 (the plain bf16 tensor elsewhere). On the default model's shapes
+    the reordered weight multiplies 1.6-1.7x faster than F.linear over the plain one at 64 rows
+    and 1.05-1.2x at 512, bit-identical (2 threads, AMD EPYC with avx512_bf16; F.linear lets
+    oneDNN reorder the weight on every call).
 
-    weight: torch.Tensor  # bf16 [N, K]
-    channels: torch.Tensor  # int64 [k], sorted input channels
-    residual_weight: torch.Tensor  # float32 [k, N]: the weight's columns at `channels`
+    A layer fed by outlier input channels also holds its float32 columns at `channels`, and
+    the product adds back those channels' bf16 rounding error (x - bf16(x)) in float32
+    (path_choice.BF16_RESIDUAL_LAYERS says why). Opaque to compiled graphs, which reach it
+    through its handle, like the int8 and float32 oneDNN weights."""
+
+    packed: torch.Tensor  # bf16 [N, K]: an opaque mkldnn tensor when `onednn`
+    out_features: int
+    in_features: int
+    onednn: bool
     handle: int = -1
+    channels: torch.Tensor | None = None  # int64 [k], sorted input channels
+    residual_weight: torch.Tensor | None = None  # float32 [k, N]: the weight's columns there
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def dense(self) -> torch.Tensor:
+        """The plain bf16 [N, K] weight."""
+        return self.packed.to_dense() if self.onednn else self.packed
 
     @property
     def nbytes(self) -> int:
-        return (self.weight.numel() * 2 + self.residual_weight.numel() * 4
-                + self.channels.numel() * 8)
+        n = self.out_features * self.in_features * 2
+        if self.channels is not None:
+            n += self.residual_weight.numel() * 4 + self.channels.numel() * 8
+        return n
 
 
-_BF16_WEIGHTS: weakref.WeakValueDictionary[int, Bf16ResidualWeight] = \
-    weakref.WeakValueDictionary()
+_BF16_WEIGHTS: weakref.WeakValueDictionary[int, Bf16Weight] = weakref.WeakValueDictionary()
 
-_lib.define("bf16_residual_linear(Tensor x, int handle) -> Tensor")
+_lib.define("bf16_linear(Tensor x, int handle) -> Tensor")
 
 
-@torch.library.impl(_lib, "bf16_residual_linear", "CPU")
-def _bf16_residual_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+@torch.library.impl(_lib, "bf16_linear", "CPU")
+def _bf16_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     w = _BF16_WEIGHTS[handle]
-    out = F.linear(x.to(torch.bfloat16), w.weight).float()
+    xb = x.to(torch.bfloat16)
+    if w.onednn:
+        out = torch.ops.mkldnn._linear_pointwise(xb, w.packed, None, "none", [], "").float()
+    else:
+        out = F.linear(xb, w.packed).float()
+    if w.channels is None:
+        return out
     xs = x.index_select(1, w.channels)
     return out.addmm_(xs - xs.to(torch.bfloat16).float(), w.residual_weight)
 
 
-@torch.library.register_fake("airserve::bf16_residual_linear")
-def _bf16_residual_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+@torch.library.register_fake("airserve::bf16_linear")
+def _bf16_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _BF16_WEIGHTS[handle].out_features)
 
 
-def pack_bf16_residual(weight: torch.Tensor, channels: torch.Tensor) -> Bf16ResidualWeight:
-    """The bfloat16 path's weight of float32 [N, K] `weight` with float32 residual columns at
-    input `channels`; the caller keeps it, `bf16_residual_linear` takes its handle."""
+def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
+              batch_hint: int = ONEDNN_BATCH_HINT) -> Bf16Weight:
+    """The bfloat16 path's weight of float32 [N, K] `weight` (with float32 residual columns at
+    input `channels`, if given); the caller keeps it, `bf16_linear` takes its handle."""
     w = weight.detach().float()
-    channels = channels.to(torch.int64).sort().values
-    packed = Bf16ResidualWeight(w.bfloat16().contiguous(), channels,
-                                w[:, channels].t().contiguous(), next(_handles))
-    _BF16_WEIGHTS[packed.handle] = packed
-    return packed
+    onednn = onednn_bf16_available()
+    wb = w.bfloat16().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, batch_hint) if onednn else wb
+    residual = None
+    if channels is not None:
+        channels = channels.to(torch.int64).sort().values
+        residual = w[:, channels].t().contiguous()
+    weight_bf16 = Bf16Weight(packed, w.shape[0], w.shape[1], onednn, next(_handles), channels,
+                             residual)
+    _BF16_WEIGHTS[weight_bf16.handle] = weight_bf16
+    return weight_bf16
 
 
-def bf16_residual_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """x float32 [M, K] -> [M, N] through the bf16 weight with residual columns `handle`."""
-    return torch.ops.airserve.bf16_residual_linear(x, handle)
+def bf16_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x float32 [M, K] -> float32 [M, N] through the bfloat16 weight `handle`."""
+    return torch.ops.airserve.bf16_linear(x, handle)
 
 
 def pack_float32(weight: torch.Tensor, batch_hint: int = ONEDNN_BATCH_HINT) -> Float32Weight:

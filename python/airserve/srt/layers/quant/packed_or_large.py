@@ -44,10 +44,8 @@ def _packed_or_large_fake(x, max_rows, kinds, activations, qs, d, m, path, handl
 def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | None:
     """The large path of `layer` as the operator takes it (path, handle, weight), or None if it
     cannot: a layer whose large path dequantizes its blocks a chunk at a time."""
-    if layer.large_path == "bfloat16" and layer.weight_bf16_residual is not None:
-        return "bf16_residual", layer.weight_bf16_residual.handle, None
     if layer.large_path == "bfloat16":
-        return "bfloat16", -1, layer.weight_bf16
+        return "bf16", layer.weight_bf16.handle, None
     if layer.large_path in INT8_PATHS:
         return "int8", layer.weight_int8.handle, None
     if layer.weight_onednn is not None:
