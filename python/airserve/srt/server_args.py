@@ -442,7 +442,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                    help="cpu: how prefill and large batches multiply (bfloat16 needs a CPU with "
                         "avx512_bf16 or AMX; auto: the fastest path here that passed the "
-                        "fidelity check); activations and KV stay float32")
+                        "fidelity check); activations stay float32 (KV: --kv-cache-dtype)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES + KV_CACHE_DTYPES_REFUSED,
                    default=d.kv_cache_dtype,
                    help="the KV cache's element type; auto: the model's (float32 on cpu). "
