@@ -5,11 +5,11 @@ bandwidth-bound. Larger inputs are compute-bound, and the fastest way to multipl
 on the CPU. A layer holds the weight form of one of these paths (`Linear.set_large_path`):
 
   float32    F.linear over float32 weights (oneDNN/MKL sgemm). Exact; always available.
-  bfloat16   F.linear with bf16 weights and activations cast to bf16 per product, result cast
-             back to float32 (oneDNN; avx512_bf16 or AMX make it ~2-3x float32; without them
-             oneDNN emulates bf16 and it is slower than float32, so it is refused there).
-             down_proj layers (BF16_RESIDUAL_LAYERS) add back, in float32, the bf16 rounding
-             error of a few outlier input channels found at load (`Bf16Weight`).
+  bfloat16   bf16 weights (reordered once for oneDNN: `Bf16Weight`) and activations cast to
+             bf16 per product, result cast back to float32 (avx512_bf16 or AMX make it ~2-3x
+             float32; without them oneDNN emulates bf16 and it is slower than float32, so it is
+             refused there). down_proj layers (BF16_RESIDUAL_LAYERS) add back, in float32, the
+             bf16 rounding error of a few outlier input channels found at load.
   w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
