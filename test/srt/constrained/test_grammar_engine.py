@@ -127,6 +127,30 @@ def test_grammar_cache_hits(engine):
     assert after["cache_hits"] - before["cache_hits"] >= 2
 
 
+def test_length_bounded_strings_take_only_valid_utf8():
+    """The grammar of a length-bounded string refuses invalid UTF-8 (overlong forms, encoded
+    surrogates), which would decode to several U+FFFD and break maxLength, and takes every
+    Unicode scalar value but quote, backslash and controls."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from airserve.srt.constrained.spec import json_schema_source
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
+              "required": ["s"], "additionalProperties": False}
+    grammar = xgr.Grammar.from_json_schema(json_schema_source(json.dumps(schema)))
+
+    def ok(inner: bytes) -> bool:
+        return accepts(grammar, b'{"s": "' + inner + b'"}')
+
+    for invalid in (b"\xf0\x80\x80\x80", b"\xf0\x8f\xbf\xbf", b"\xe0\x80\x80",
+                    b"\xed\xa0\x80", b"\xc0\x80", b"\x01", b"\n"):
+        assert not ok(b"a" + invalid), invalid
+    for valid in ("a b!", "\u00e9\ud7ff\ue000", "\U0010ffff#[]", "~\u063e"):
+        assert ok(valid.encode()), valid
+    assert not ok(b"abcde") and not ok(b'a"') and not ok(b"a\\")
+
+
 def test_length_bounded_strings_are_valid_json(engine):
     """xgrammar writes such strings without excluding control characters; airserve adds a
     pattern that does (constrained.spec.json_schema_source)."""

@@ -18,8 +18,11 @@ from airserve.srt.sampling.sampling_params import GRAMMAR_FIELDS, FieldError, Sa
 # in a row: a model that prefers spaces or newlines must still reach the end of the object.
 MAX_JSON_WHITESPACE = 12
 _CACHE_SIZE = 256
-# One unescaped character of a JSON string, as a regex: no control character, quote, backslash.
-_JSON_STRING_CHAR = '[^\\u0000-\\u001f"\\\\]'
+# One unescaped character of a JSON string, as a regex: a Unicode scalar value from U+0020 up,
+# but quote and backslash. Listed, not negated: xgrammar 0.2.8's negated class also takes
+# overlong 3- and 4-byte forms and UTF-8-encoded surrogates, invalid UTF-8 that decodes to
+# several U+FFFD, so a string it counted as 8 characters reached the client as 11.
+_JSON_STRING_CHAR = '[ -!#-\\[\\]-\ud7ff\ue000-\U0010ffff]'
 # xgrammar's C++ errors start with "[time] file.cc:line: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
 
