@@ -12,7 +12,12 @@ from airserve.srt.server_args import ServerArgs
 
 
 def make_runner(model_path: str, runner_from: ModelRunner | None = None, **kwargs) -> ModelRunner:
-    """A runner over `model_path`; with `runner_from`, one that shares its model object."""
+    """A runner over `model_path`; with `runner_from`, one that shares its model object.
+    float32 unless `dtype` says otherwise: these runners are compared step by step, and under
+    a bf16 large path (--dtype auto on CPUs with bf16) a batch padded into a bucket may take
+    another oneDNN kernel than the eager batch, float32 rounding apart, which the products'
+    bf16 rounding can turn into one bf16 step of difference."""
+    kwargs.setdefault("dtype", "float32")
     args = ServerArgs(model_path=model_path, max_total_tokens=2048, max_running_requests=8,
                       **kwargs)
     if runner_from is None:
