@@ -96,7 +96,7 @@ def test_corrupted_bucket_is_detected_and_rebuilt(starts, tiny_llama_dir):
 def store_dir(model_dir: str, cache: str, **flags) -> str:
     """Where a runner started as compiled_start starts it, with `flags` changed, keeps its
     buckets (nothing compiles)."""
-    flags = {"cuda_graph_bs": BUCKETS, **flags}
+    flags = {"cuda_graph_bs": BUCKETS, "dtype": "float32", **flags}  # make_runner's dtype
     args = ServerArgs(model_path=model_dir, max_total_tokens=2048, max_running_requests=8,
                       enable_torch_compile=True, compile_cache_dir=cache, **flags)
     return CPUGraphRunner.open_store(RunnerConfig.from_server_args(args), 0, 8).dir
