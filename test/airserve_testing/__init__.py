@@ -6,10 +6,11 @@ from airserve_testing.decode_driver import (
     make_runner,
     q4_1_decode_op,
     random_prompts,
+    replay_matches_eager,
     run_side_by_side,
     tiny_gguf_runners,
     zero_kv,
 )
 
-__all__ = ["Requests", "make_runner", "q4_1_decode_op", "random_prompts", "run_side_by_side",
-           "tiny_gguf_runners", "zero_kv"]
+__all__ = ["Requests", "make_runner", "q4_1_decode_op", "random_prompts",
+           "replay_matches_eager", "run_side_by_side", "tiny_gguf_runners", "zero_kv"]

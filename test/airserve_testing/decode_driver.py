@@ -116,6 +116,24 @@ def run_side_by_side(graph: ModelRunner, eager: ModelRunner, prompts: list[list[
     return g, e, g.argmax(-1), e.argmax(-1), reqs
 
 
+# Prompt lengths of the batches replay_matches_eager decodes (the first `bs` of them).
+PROMPT_LENGTHS = (5, 17, 9, 12, 7, 3, 11, 6)
+
+
+def replay_matches_eager(graph: ModelRunner, eager: ModelRunner, bs: int, atol: float,
+                         steps: int = 6):
+    """Decode `steps` tokens of `bs` prompts on `graph` (a graph runner) and `eager` side by
+    side: every step a replay, logits within `atol`, the same greedy tokens. Returns (eager's
+    greedy tokens [steps, bs], the requests' handles (graph's, eager's)) for more steps."""
+    replays = graph.graph_runner.replay_count
+    prompts = random_prompts(graph.model_config.vocab_size, list(PROMPT_LENGTHS[:bs]))
+    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=steps)
+    assert graph.graph_runner.replay_count == replays + steps
+    torch.testing.assert_close(lg, le, atol=atol, rtol=0)
+    assert torch.equal(tg, te)
+    return te, reqs
+
+
 def q4_1_decode_op(runner: ModelRunner) -> str:
     """The operator a Q4_1 layer's packed decode product calls under `runner`'s
     --cpu-decode-activations (auto keeps Q4_1 in float32; int8 takes the int8 product)."""

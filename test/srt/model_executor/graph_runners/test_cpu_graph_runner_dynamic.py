@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from airserve.srt.model_executor.graph_runners.base import dynamo_graph_count
-from airserve_testing import q4_1_decode_op, random_prompts, run_side_by_side, tiny_gguf_runners
+from airserve_testing import q4_1_decode_op, replay_matches_eager, tiny_gguf_runners
 
 ATOL = 1e-4  # float32 on both sides; inductor reorders reductions
 PACKED_LIMIT = 2
@@ -54,12 +54,7 @@ def ops_run(fn) -> set[str]:
 def test_each_bucket_of_a_shared_graph_matches_eager(runners, bs):
     graph, eager, _ = runners
     gr = graph.graph_runner
-    replays = gr.replay_count
-    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12, 7, 3, 11, 6][:bs])
-    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
-    assert gr.replay_count == replays + 6
-    torch.testing.assert_close(lg, le, atol=ATOL, rtol=0)
-    assert torch.equal(tg, te)
+    te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
     assert gr.bucket_for(bs) in gr.direct  # replayed without dynamo
     # One more replay, profiled: the shared graph took this bucket's side of the limit.
     ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))

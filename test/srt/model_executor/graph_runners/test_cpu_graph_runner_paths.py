@@ -15,6 +15,7 @@ from airserve_testing import (
     Requests,
     q4_1_decode_op,
     random_prompts,
+    replay_matches_eager,
     run_side_by_side,
     tiny_gguf_runners,
 )
@@ -60,15 +61,11 @@ def ops_run(fn) -> set[str]:
 @pytest.mark.parametrize("bs", [2, 3, 4])
 def test_buckets_match_eager_on_the_same_path(runners, bs):
     graph, eager, _ = runners
+    te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
     replays = graph.graph_runner.replay_count
-    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
-    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
-    assert graph.graph_runner.replay_count == replays + 6
-    torch.testing.assert_close(lg, le, atol=ATOL, rtol=0)
-    assert torch.equal(tg, te)
     # One more replay, profiled: the bucket's products are int8 above the packed limit.
     ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
-    assert graph.graph_runner.replay_count == replays + 7
+    assert graph.graph_runner.replay_count == replays + 1
     assert ("airserve::w8a8_linear" in ops) == (bs > PACKED_LIMIT), ops
     assert (q4_1_decode_op(graph) in ops) == (bs <= PACKED_LIMIT), ops
     for r in reqs:
@@ -100,16 +97,13 @@ def test_bf16_buckets_match_eager_on_the_same_path(bf16_runners, bs):
     # down_proj with residual channels (matmul_paths.BF16_RESIDUAL_LAYERS), the rest plain.
     assert all(m.path_for(bs) == "bfloat16" for _, m in named)
     assert all((m.weight_bf16.channels is not None) == n.endswith("down_proj") for n, m in named)
-    replays = graph.graph_runner.replay_count
-    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
-    lg, le, tg, te, reqs = run_side_by_side(graph, eager, prompts, steps=6)
-    assert graph.graph_runner.replay_count == replays + 6 and not graph.fallback_counts
-    torch.testing.assert_close(lg, le, atol=BF16_ATOL, rtol=0)
-    assert torch.equal(tg, te)
+    _, reqs = replay_matches_eager(graph, eager, bs, BF16_ATOL)
+    assert not graph.fallback_counts
     for r in reqs:
         r.release()
     # Not float32 twice: the float32 runner's logits differ by more than the tolerance.
-    lf, _, _, _, reqs = run_side_by_side(float32, eager, prompts, steps=1)
+    prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
+    lf, le, _, _, reqs = run_side_by_side(float32, eager, prompts, steps=1)
     assert (lf - le).abs().max() > BF16_ATOL
     for r in reqs:
         r.release()
