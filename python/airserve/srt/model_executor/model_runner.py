@@ -21,7 +21,7 @@ from airserve.srt.distributed.sharding import local_kv_heads
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.hardware import check_device
 from airserve.srt.layers.attention.registry import create_attention_backend
-from airserve.srt.layers.attention.torch_native_backend import CPP_KV_DTYPES
+from airserve.srt.layers.attention.torch_native_backend import cpp_decode_runs
 from airserve.srt.mem_cache.memory_pool import (
     PagedAllocator,
     ReqToTokenPool,
@@ -281,8 +281,8 @@ class ModelRunner:
             "linear_layers": len(layers),
             "decode_weight_mib_bs1": round(self.model.decode_weight_bytes(1) / 2**20, 1),
             # The backend decided at creation; its decode op also needs float32 q and KV.
-            "cpp_decode_attention": self.attn_backend.cpp_built and self.dtype == torch.float32
-            and self.kv_dtype in CPP_KV_DTYPES,
+            "cpp_decode_attention": cpp_decode_runs(self.device, self.dtype, self.kv_dtype,
+                                                    self.attn_backend.cpp_built),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
         report.update(packed_report(layers))

@@ -92,11 +92,17 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
 CPP_KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def cpp_decode_runs(device_type: str, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                    cpp_built: bool) -> bool:
+    """Whether decode attention takes the C++ operator: built, on the host CPU, float32
+    queries over a float32 or bf16 cache."""
+    return (cpp_built and device_type == "cpu" and q_dtype == torch.float32
+            and kv_dtype in CPP_KV_DTYPES)
+
+
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, cpp_built: bool):
-    """The C++ operator for float32 queries over a float32 or bf16 cache on the host CPU when
-    it is built, else the torch ops."""
-    if (cpp_built and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype in CPP_KV_DTYPES):
+    """The C++ operator where `cpp_decode_runs`, else the torch ops."""
+    if cpp_decode_runs(q.device.type, q.dtype, k_cache.dtype, cpp_built):
         return torch.ops.airserve.paged_decode_attention_cpu.default
     return paged_decode_attention
 

@@ -122,6 +122,6 @@ def find_outliers(model: nn.Module, tokenizer: object, count: int | None = None
     t0 = time.perf_counter()
     tokens = calibration_tokens(tokenizer)
     stats = input_absmax(model, tokens)
-    logger.info("int8 outlier channels: %d per layer from a %d-token calibration prefill "
+    logger.info("outlier input channels: %d per layer from a %d-token calibration prefill "
                 "(%.1f s)", count, len(tokens), time.perf_counter() - t0)
     return {name: outlier_channels(absmax, count) for name, absmax in stats.items()}
