@@ -1,9 +1,10 @@
 """The C++ paged decode attention (csrc/decode_attention.cpp) against a float64 reference, on
 every instruction set this CPU offers: random batches and ragged lengths (lengths not multiples
-of the kernel's 8-token blocks or 64-token chunks), GQA group sizes 1/3/4, head sizes 64/128
-(and 40, which the vector loops leave to plain C++), pages of 1 and 16 with shuffled block
-tables, 1 and 2 threads (long rows are split over the threads and merged); float32 and bfloat16
-caches (bf16 rows widened to float32 as read: the reference reads the same rounded values)."""
+of the kernel's 4-token blocks or 64-token chunks), GQA group sizes 1/3/4/5/8 (query heads in
+blocks of up to three), head sizes 32/48/64/128 (and 40, which the AVX-512 loops leave to
+AVX2's, and AVX2's to plain C++), pages of 1 and 16 with shuffled block tables, 1 and 2 threads
+(long rows are split over the threads and merged); float32 and bfloat16 caches (bf16 rows
+widened to float32 as read: the reference reads the same rounded values)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ CASES = [
     (5, 1030, 1, 3, 64, 16, 2),
     (9, 77, 2, 4, 40, 1, 2),
     (3, 9, 3, 1, 64, 1, 1),
+    (4, 150, 2, 5, 48, 1, 2),  # a group of 5 (query heads in blocks of 3 + 2); 48 = 3 x 16
+    (2, 70, 1, 8, 32, 16, 1),  # a group of 8: blocks of 3 + 3 + 2
 ]
 
 
@@ -35,7 +38,7 @@ def op():
     return torch.ops.airserve.paged_decode_attention_cpu.default
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request):
     op()
     if request.param not in tnb.attention_isas():

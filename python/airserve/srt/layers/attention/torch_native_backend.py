@@ -108,8 +108,8 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, cpp_built: bool)
 
 
 def attention_isas() -> list[str]:
-    """Instruction sets the C++ decode attention can use on this CPU, best first ("avx2",
-    "scalar"); the first is used unless `use_attention_isa` narrowed it."""
+    """Instruction sets the C++ decode attention can use on this CPU, best first ("avx512",
+    "avx2", "scalar"); the first is used unless `use_attention_isa` narrowed it."""
     return list(torch.ops.airserve_isa.attention_isas())
 
 
