@@ -110,8 +110,24 @@ inline void gather_rows(const Segment<T>& s, int64_t t0, int64_t n, int64_t* off
   }
 }
 
-// Asks for the K and V rows (all heads) at `off` to be brought into L2: a chunk's rows are
-// scattered over the pool, which the hardware prefetchers cannot guess.
+// Rows to ask for while a chunk is computed: the next chunk's (or the next sequence's first),
+// at pool offsets `off` (before the head offset).
+struct Ahead {
+  const int64_t* off = nullptr;
+  int64_t n = 0;
+};
+
+// Asks for one head's `dim` elements at p to be brought into cache.
+template <typename T>
+inline void prefetch_head(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = dim * int64_t(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
+  __builtin_prefetch(c + bytes - 1, 0, 2);
+}
+
+// Asks for the K and V rows (all heads) at `off` to be brought into L2 at once: a chunk's rows
+// are scattered over the pool, which the hardware prefetchers cannot guess.
 template <typename T>
 inline void prefetch_rows(const Segment<T>& s, const int64_t* off, int64_t n) {
   const int64_t bytes = s.row * int64_t(sizeof(T));
@@ -180,10 +196,10 @@ void chunk_values_portable(const Segment<T>& s, const int64_t* off, int64_t n, c
 // Folds tokens [t0, t1) of one KV head's chunk into `acc`.
 template <typename T>
 void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
-                  const Partial& acc, int isa) {
+                  const Partial& acc, int isa, const Ahead& ahead) {
 #ifdef AIRSERVE_ATTN_AVX2
-  if (isa == kAvx512) attn_avx512::chunk_scores(s, off, n, sc);
-  else if (isa == kAvx2) attn_avx2::chunk_scores(s, off, n, sc);
+  if (isa == kAvx512) attn_avx512::chunk_scores(s, off, n, sc, ahead);
+  else if (isa == kAvx2) attn_avx2::chunk_scores(s, off, n, sc, ahead);
   else
 #endif
     chunk_scores_portable(s, off, n, sc);
@@ -204,33 +220,48 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
       for (int64_t d = 0; d < s.dim; ++d) acc.o[g * s.dim + d] *= correction;
   }
 #ifdef AIRSERVE_ATTN_AVX2
-  if (isa == kAvx512) attn_avx512::chunk_values(s, off, n, sc, acc.o);
-  else if (isa == kAvx2) attn_avx2::chunk_values(s, off, n, sc, acc.o);
+  if (isa == kAvx512) attn_avx512::chunk_values(s, off, n, sc, acc.o, ahead);
+  else if (isa == kAvx2) attn_avx2::chunk_values(s, off, n, sc, acc.o, ahead);
   else
 #endif
     chunk_values_portable(s, off, n, sc, acc.o);
 }
 
 // Folds tokens [t0, t1) of a sequence, every KV head, into `acc` (which starts at m = -inf,
-// l = 0, o = 0), chunk by chunk; the next chunk's rows are fetched while one is computed.
+// l = 0, o = 0), chunk by chunk. The next chunk's rows (after the last chunk: the first of
+// `after`, the next sequence, if given) are fetched while one is computed: the vector loops ask
+// for them row by row as they use the current chunk's, which keeps the reads flowing at the pace
+// of the arithmetic (a whole chunk asked for at once, 48-96 KB, fills the core's queue of
+// outstanding misses and stalls it: measured, the reads then add to the arithmetic instead of
+// overlapping it); the plain loops ask for the whole chunk at once. `fetched`: the first
+// chunk's rows were asked for already.
 template <typename T>
 void attend(const Segment<T>& s, int64_t kvh, int64_t t0, int64_t t1, const Partial& acc,
-            int isa) {
-  int64_t offsets[2][kChunk];
+            int isa, bool fetched, const Segment<T>* after, int64_t after_n) {
+  int64_t offsets[3][kChunk];
   // Scores of one chunk for a group; thread-local so no call allocates after warm-up.
   thread_local std::vector<float> buffer;
   buffer.resize(s.group * kChunk);
   int64_t n = std::min(kChunk, t1 - t0);
   gather_rows(s, t0, n, offsets[0]);
-  prefetch_rows(s, offsets[0], n);
+  if (!fetched) prefetch_rows(s, offsets[0], n);
   for (int64_t c = t0, i = 0; c < t1; c += kChunk, i ^= 1) {
     const int64_t next = std::min(kChunk, t1 - c - n);
+    Ahead ahead;
     if (next > 0) {
       gather_rows(s, c + n, next, offsets[i ^ 1]);
-      prefetch_rows(s, offsets[i ^ 1], next);
+      ahead = {offsets[i ^ 1], next};
+    } else if (after != nullptr && after_n > 0) {
+      gather_rows(*after, 0, after_n, offsets[2]);
+      ahead = {offsets[2], after_n};
+    }
+    if (isa == kScalar) {
+      prefetch_rows(s, ahead.off, ahead.n);
+      ahead = Ahead{};
     }
     for (int64_t h = 0; h < kvh; ++h)
-      attend_chunk(s.head(h), offsets[i], n, buffer.data(), acc.head(h, s.group, s.dim), isa);
+      attend_chunk(s.head(h), offsets[i], n, buffer.data(), acc.head(h, s.group, s.dim), isa,
+                   ahead);
     n = next;
   }
 }
@@ -299,7 +330,13 @@ void run_piece(const Call<T>& c, const std::vector<int64_t>& start, const std::v
                         : scratch + (2 * p + (pos == bound[p] ? 0 : 1)) * c.state_size();
     const Partial acc = c.partial(base);
     reset(acc, c.heads(), c.dim);
-    attend(c.segment(s), c.kvh, t0, t1, acc, c.isa);
+    // The next sequence's first rows are fetched during this one's last chunk.
+    const bool more = start[s + 1] < end;
+    const Segment<T> following = c.segment(more ? s + 1 : s);
+    const int64_t following_n =
+        more ? std::min(kChunk, std::min(start[s + 2], end) - start[s + 1]) : 0;
+    attend(c.segment(s), c.kvh, t0, t1, acc, c.isa, pos != bound[p], more ? &following : nullptr,
+           following_n);
     if (whole) normalize(acc, c.out_of(s), c.heads(), c.dim);
   }
 }
