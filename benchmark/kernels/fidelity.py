@@ -7,6 +7,12 @@ agreement >= 98% and perplexity within 1% of float32:
   (layers/quant/matmul_paths.py). The text is split into sequences of `--seq-len` tokens, each
   prefilled in one forward pass with every position's logits, so every linear layer (lm_head
   too) multiplies through the path; compared with the float32 path on the same model.
+- `--kv-cache-dtypes bfloat16 float16`: the KV cache's element type. Every position is a
+  decode step (below) that writes its K/V into the cache and attends over the cache as decode
+  attention reads it, on the default model; each dtype is checked twice against float32 KV
+  with float32 matmuls: with float32 matmuls (the cache alone), and with every row, decode rows
+  too, multiplied through the bfloat16 path (what a large decode batch runs when `auto` takes
+  bfloat16: the two roundings together).
 - default: int8 activations of the packed decode kernels, below.
 
 For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
@@ -28,6 +34,7 @@ Pass: agreement >= 98% and perplexity within 1%; the exit code is the "auto" row
         --auto-int8-kinds q5_0 q5_1
     python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 w8a8_int8_outliers \
         [--seq-len 250] [--int8-outlier-channels N] [--json F]
+    python benchmark/kernels/fidelity.py --kv-cache-dtypes bfloat16 [--batch 8] [--json F]
 """
 
 from __future__ import annotations
@@ -280,6 +287,76 @@ def check_paths(paths: list[str], n_tokens: int, seq_len: int,
             "passed": {r["path"]: r["passed"] for r in rows}}
 
 
+def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
+    """The KV cache dtypes' check (module docstring) on the default model over `n_tokens` of
+    the packaged text, decoded teacher-forced `batch` sequences side by side."""
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.model_loader.loader import large_path_outliers, load_model, set_large_path
+    from airserve.srt.server_args import ServerArgs
+
+    tokenizer = get_tokenizer_default()
+    tokens = list(tokenizer.encode(packaged_text()))[:n_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    seqs = split(tokens, batch)
+    # No packed decode kernels: every row multiplies through the large path, so that the
+    # bfloat16 configurations round decode rows as a large batch does.
+    cfg, model = load_model(None, "float32", "cpu", None, 0)
+    outliers = large_path_outliers(model, tokenizer, "bfloat16")
+
+    current = ["float32"]
+
+    def run(kv_dtype: str, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if path != current[0]:
+            set_large_path(model, path, outliers=outliers if path == "bfloat16" else None)
+            current[0] = path
+        args = ServerArgs(dtype="float32", kv_cache_dtype=kv_dtype, max_running_requests=batch,
+                          max_total_tokens=batch * (len(seqs[0]) + 8), packed_decode_max_bs=0)
+        return teacher_forced(ModelRunner(args, model_config=cfg, model=model), seqs)
+
+    ref = run("float32", "float32")
+    rows = []
+    # The bfloat16 path last: it replaces the float32 weights, which nothing brings back.
+    for path in ("float32", "bfloat16"):
+        for kv in kv_dtypes:
+            t0 = time.perf_counter()
+            row = {"kv_cache_dtype": kv, "matmul_path": path, **compare(ref, run(kv, path)),
+                   "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            print(f"kv {kv}, matmuls {path}: top-1 {row['top1_agreement']:.2%}, perplexity "
+                  f"{row['ppl_float32']:.3f} -> {row['ppl']:.3f}", flush=True)
+    return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
+            "attention_isa": _attention_isa(),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "passed": all(r["passed"] for r in rows)}
+
+
+def get_tokenizer_default():
+    from airserve.srt.model_loader.loader import default_model_path
+    from airserve.srt.tokenizer import get_tokenizer
+
+    return get_tokenizer(default_model_path())
+
+
+def _attention_isa() -> str | None:
+    from airserve.srt.layers import cpu_kernels
+
+    if not cpu_kernels.available():
+        return None
+    from airserve.srt.layers.attention import torch_native_backend as tnb
+
+    return tnb.attention_isas()[0]
+
+
+def print_kv_table(report: dict) -> None:
+    print(f"{'kv cache':9} {'matmuls':9} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} "
+          f"{'top-1':>7}  pass")
+    for r in report["rows"]:
+        print(f"{r['kv_cache_dtype']:9} {r['matmul_path']:9} {r['tokens']:6d} "
+              f"{r['ppl_float32']:8.3f} {r['ppl']:8.3f} {r['ppl_change']:7.2%} "
+              f"{r['top1_agreement']:7.2%}  {'yes' if r['passed'] else 'NO'}")
+
+
 def print_path_table(report: dict) -> None:
     print(f"{'path':18} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7} "
           f"{'seconds':>7}  pass")
@@ -324,9 +401,17 @@ def main() -> None:
                    help="w8a8_int8_outliers: float32 input channels per layer (default: the "
                         "server's)")
     p.add_argument("--seq-len", type=int, default=250, help="tokens per sequence (--paths)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=None,
+                   choices=("bfloat16", "float16"),
+                   help="check these KV cache element types instead")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.kv_cache_dtypes:
+        report = check_kv(a.kv_cache_dtypes, a.tokens, a.batch)
+        print_kv_table(report)
+        _write(a.json, report)
+        raise SystemExit(0 if report["passed"] else 1)
     if a.paths:
         report = check_paths(a.paths, a.tokens, a.seq_len, a.int8_outlier_channels)
         print_path_table(report)

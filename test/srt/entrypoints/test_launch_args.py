@@ -65,9 +65,25 @@ def test_unsupported_sglang_flags_are_named(capsys):
 def test_kv_cache_dtype(capsys):
     import torch
 
-    assert parse_args([]).resolved_kv_cache_dtype(torch.float32) == torch.float32  # auto
-    args = parse_args(["--kv-cache-dtype", "bfloat16"])
+    from airserve.srt.hardware import host_cpu
+    from airserve.srt.layers.quant.path_choice import cpu_has_bf16
+
+    # auto: bf16 where the matmuls of prefill and large batches are bf16, else the model's.
+    auto = parse_args([])
+    expected = torch.bfloat16 if auto.resolved_large_path == "bfloat16" else torch.float32
+    assert auto.resolved_kv_cache_dtype(torch.float32) == expected
+    assert parse_args(["--dtype", "float32"]).resolved_kv_cache_dtype(torch.float32) == \
+        torch.float32
+    if cpu_has_bf16(host_cpu()[1]):
+        assert parse_args(["--dtype", "bfloat16"]).resolved_kv_cache_dtype(torch.float32) == \
+            torch.bfloat16
+    # The OpenVINO runner keeps a float32 pool under auto whatever the matmuls.
+    ov = parse_args(["--enable-torch-compile", "--torch-compile-backend", "openvino"])
+    assert ov.resolved_kv_cache_dtype(torch.float32) == torch.float32
+    args = parse_args(["--kv-cache-dtype", "bfloat16", "--dtype", "float32"])
     assert args.resolved_kv_cache_dtype(torch.float32) == torch.bfloat16
+    assert parse_args(["--kv-cache-dtype", "float32"]).resolved_kv_cache_dtype(
+        torch.float32) == torch.float32
     assert "--kv-cache-dtype fp8_e5m2: fp8 KV caches are not implemented" in refused(
         ["--kv-cache-dtype", "fp8_e5m2"], capsys)
     assert "not implemented for the OpenVINO runner" in refused(
