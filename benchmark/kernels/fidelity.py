@@ -325,8 +325,10 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
             rows.append(row)
             print(f"kv {kv}, matmuls {path}: top-1 {row['top1_agreement']:.2%}, perplexity "
                   f"{row['ppl_float32']:.3f} -> {row['ppl']:.3f}", flush=True)
+    from airserve.srt.hardware import host_cpu
+
     return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
-            "attention_isa": _attention_isa(),
+            "cpu": host_cpu()[0], "attention_isa": _attention_isa(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "passed": all(r["passed"] for r in rows)}
 

@@ -62,8 +62,8 @@ class ServerArgs:
     # and quantization choose how linear layers multiply prefill and batches above
     # --packed-decode-max-bs (`resolved_large_path`; layers/quant/matmul_paths.py).
     dtype: str = "auto"
-    # The KV pool's element type (`resolved_kv_cache_dtype`; auto: bfloat16 on cpu under the
-    # bfloat16 matmul path); on cpu a bfloat16 cache is read into float32 arithmetic.
+    # The KV pool's element type (`resolved_kv_cache_dtype`; auto: float16 on cpu under the
+    # bfloat16 matmul path); on cpu a 16-bit cache is read into float32 arithmetic.
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None or one of QUANTIZATIONS (cpu)
     # w8a8_int8_outliers: input channels per layer kept in float32 (None: the default, 16).
@@ -339,19 +339,23 @@ class ServerArgs:
 
     def resolved_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pool's dtype for a model whose weights are `model_dtype`: the flag; under auto
-        bfloat16 on cpu when prefill and large batches multiply in bfloat16 (the OpenVINO
-        runner aside: its graphs take a float32 pool), else the model's dtype. A bf16 cache
-        halves what decode attention reads, its slowest part at large batches, and passed the
-        fidelity check beside the bf16 matmuls (benchmark/kernels/fidelity.py
-        --kv-cache-dtypes: 98.29% top-1 and +0.13% perplexity together, 99.75% and +0.00%
-        alone, on the default model)."""
+        float16 on cpu when prefill and large batches multiply in bfloat16 (the OpenVINO
+        runner aside: its graphs take a float32 pool), else the model's dtype.
+
+        A 16-bit cache halves what decode attention reads, its slowest part at large batches.
+        float16 rather than bfloat16 (the same bytes, 3 more mantissa bits): beside the bf16
+        matmuls a bf16 cache changed the README's chat answer on the default model, a float16
+        one did not; teacher-forced over the cache (benchmark/kernels/fidelity.py
+        --kv-cache-dtypes) float16 gave 98.64% top-1 and +0.19% perplexity with the bf16
+        matmuls and 100% / +0.00% alone, bfloat16 98.29% / +0.13% and 99.75% / +0.00%. float16
+        overflows past 65504, which K/V projections stay far below."""
         import torch
 
         if self.kv_cache_dtype != "auto":
             return getattr(torch, self.kv_cache_dtype)
         if (self.device == "cpu" and not self.uses_openvino
                 and self.resolved_large_path == "bfloat16"):
-            return torch.bfloat16
+            return torch.float16
         return model_dtype
 
     @property
@@ -453,10 +457,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "fidelity check); activations stay float32 (KV: --kv-cache-dtype)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES + KV_CACHE_DTYPES_REFUSED,
                    default=d.kv_cache_dtype,
-                   help="the KV cache's element type; auto: bfloat16 on cpu where prefill "
+                   help="the KV cache's element type; auto: float16 on cpu where prefill "
                         "and large batches multiply in bfloat16 (--dtype), else the model's. "
-                        "bfloat16 halves the cache and the bytes decode attention reads (cpu: "
-                        "still float32 arithmetic); fp8 is not implemented")
+                        "float16/bfloat16 halve the cache and the bytes decode attention reads "
+                        "(cpu: still float32 arithmetic); fp8 is not implemented")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
                         "and batches above --packed-decode-max-bs; w8a8_int8_outliers: the same "

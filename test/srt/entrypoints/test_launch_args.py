@@ -68,15 +68,15 @@ def test_kv_cache_dtype(capsys):
     from airserve.srt.hardware import host_cpu
     from airserve.srt.layers.quant.path_choice import cpu_has_bf16
 
-    # auto: bf16 where the matmuls of prefill and large batches are bf16, else the model's.
+    # auto: float16 where the matmuls of prefill and large batches are bf16, else the model's.
     auto = parse_args([])
-    expected = torch.bfloat16 if auto.resolved_large_path == "bfloat16" else torch.float32
+    expected = torch.float16 if auto.resolved_large_path == "bfloat16" else torch.float32
     assert auto.resolved_kv_cache_dtype(torch.float32) == expected
     assert parse_args(["--dtype", "float32"]).resolved_kv_cache_dtype(torch.float32) == \
         torch.float32
     if cpu_has_bf16(host_cpu()[1]):
         assert parse_args(["--dtype", "bfloat16"]).resolved_kv_cache_dtype(torch.float32) == \
-            torch.bfloat16
+            torch.float16
     # The OpenVINO runner keeps a float32 pool under auto whatever the matmuls.
     ov = parse_args(["--enable-torch-compile", "--torch-compile-backend", "openvino"])
     assert ov.resolved_kv_cache_dtype(torch.float32) == torch.float32

@@ -4,7 +4,8 @@ of the kernel's 4-token blocks or 64-token chunks), GQA group sizes 1/3/4/5/8 (q
 blocks of up to three), head sizes 32/48/64/128 (and 40, which the AVX-512 loops leave to
 AVX2's, and AVX2's to plain C++), pages of 1 and 16 with shuffled block tables, 1 and 2 threads
 (long rows are split over the threads and merged); float32 and bfloat16 caches (bf16 rows
-widened to float32 as read: the reference reads the same rounded values)."""
+widened to float32 as read: the reference reads the same rounded values) and float16 caches
+(the same, converted)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def reference(q, k_cache, v_cache, table, lens, page_size, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "bs{}-L{}-kvh{}-g{}-d{}-p{}-t{}".format(*c))
 def test_matches_float64_reference_and_writes_only_out_cache_loc(isa, case, kv_dtype):
     bs, max_len, kv_heads, group, dim, page_size, threads = case

@@ -89,13 +89,13 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
 
 
 # KV cache dtypes the C++ decode operator reads (its queries and arithmetic are float32).
-CPP_KV_DTYPES = (torch.float32, torch.bfloat16)
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpp_decode_runs(device_type: str, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                     cpp_built: bool) -> bool:
     """Whether decode attention takes the C++ operator: built, on the host CPU, float32
-    queries over a float32 or bf16 cache."""
+    queries over a float32, bf16 or f16 cache."""
     return (cpp_built and device_type == "cpu" and q_dtype == torch.float32
             and kv_dtype in CPP_KV_DTYPES)
 

@@ -1,6 +1,6 @@
 // Paged decode attention on the host CPU: one new token per sequence, float32 queries and
-// arithmetic over a float32 or bfloat16 KV cache (bf16 rows are widened to float32 as they are
-// read: half the bytes of the memory-bound part, the same arithmetic).
+// arithmetic over a float32, bfloat16 or float16 KV cache (16-bit rows are widened to float32 as
+// they are read: half the bytes of the memory-bound part, the same arithmetic).
 //
 // Writes the new token's K/V into the pool at out_cache_loc, then attends each query over the
 // first seq_lens[b] positions of its block table (the padded tail is never read).
@@ -52,8 +52,10 @@ constexpr int64_t kChunk = 64;  // tokens per chunk: its V rows of one head stay
 constexpr int64_t kParallelMinWork = 1024;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A KV cache element: float, or bfloat16 held as its 16 bits (the high half of a float).
+// A KV cache element: float, bfloat16 held as its 16 bits (the high half of a float), or
+// IEEE half (c10::Half).
 using bf16_t = uint16_t;
+using f16_t = c10::Half;
 
 inline float widen(float x) { return x; }
 inline float widen(bf16_t x) {
@@ -64,6 +66,9 @@ inline float widen(bf16_t x) {
 }
 
 inline void narrow(float x, float* to) { *to = x; }
+inline float widen(f16_t x) { return static_cast<float>(x); }
+// Round to nearest even, as torch's float -> float16 conversion does (c10's own conversion).
+inline void narrow(float x, f16_t* to) { *to = f16_t(x); }
 // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays a NaN).
 inline void narrow(float x, bf16_t* to) {
   uint32_t bits;
@@ -146,13 +151,13 @@ enum Isa : int { kAvx512 = 0, kAvx2 = 1, kScalar = 2 };
 
 #ifdef AIRSERVE_ATTN_AVX2
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace attn_avx2 {
 #include "decode_attention_avx2.inc"
 }  // namespace attn_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 namespace attn_avx512 {
 using attn_avx2::exp_shifted;
 #include "decode_attention_avx512.inc"
@@ -387,7 +392,9 @@ std::atomic<int> g_isa{-1};
 bool isa_supported(int isa) {
 #ifdef AIRSERVE_ATTN_AVX2
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // F16C (half widening) came with AVX2 on every x86 CPU; checked all the same.
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
   if (isa == kAvx512) return avx2 && __builtin_cpu_supports("avx512f");
   if (isa == kAvx2) return avx2;
 #endif
@@ -457,9 +464,10 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const char* name = "airserve::paged_decode_attention_cpu";
   const at::ScalarType kv_type = k_cache.scalar_type();
   TORCH_CHECK(q_in.scalar_type() == at::kFloat &&
-                  (kv_type == at::kFloat || kv_type == at::kBFloat16) &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
+                   kv_type == at::kHalf) &&
                   v_cache.scalar_type() == kv_type,
-              name, ": float32 queries, and a float32 or bfloat16 KV cache");
+              name, ": float32 queries, and a float32, bfloat16 or float16 KV cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   v_cache.sizes() == k_cache.sizes(),
               name, ": the KV buffers must be contiguous [num_slots, KVH, D]");
@@ -508,9 +516,12 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   if (kv_type == at::kFloat) {
     attend_all<float>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
                       page_size, KVH, group, D, isa, pieces);
-  } else {
+  } else if (kv_type == at::kBFloat16) {
     attend_all<bf16_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
                        page_size, KVH, group, D, isa, pieces);
+  } else {
+    attend_all<f16_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
+                      page_size, KVH, group, D, isa, pieces);
   }
   return out;
 }

@@ -1,6 +1,7 @@
-"""--kv-cache-dtype bfloat16 on CPU: the pool holds bf16, decode reads it through the C++
-operator (float32 arithmetic) in eager steps and in the CPU graph runner's buckets alike, and
-the buckets match eager on the same cache; a float32 cache gives different (close) logits."""
+"""--kv-cache-dtype bfloat16 and float16 on CPU: the pool holds 16-bit values, decode reads them
+through the C++ operator (float32 arithmetic) in eager steps and in the CPU graph runner's
+buckets alike, and the buckets match eager on the same cache; a float32 cache gives different
+(close) logits."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ from airserve.srt.layers import cpu_kernels
 from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
 from airserve_testing import Requests, make_runner, random_prompts, replay_matches_eager
 
-# bf16 cache on both sides; inductor fuses and reorders the float32 work around the attention.
+# The same 16-bit cache on both sides; inductor fuses and reorders the float32 work around the
+# attention.
 ATOL = 1e-4
 BUCKETS = (1, 4)
 
 
-@pytest.fixture(scope="module")
-def runners(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def runners(tiny_llama_dir, request):
     if not cpu_kernels.available():
         pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
-    eager = make_runner(tiny_llama_dir, kv_cache_dtype="bfloat16", dtype="float32")
-    graph = make_runner(tiny_llama_dir, runner_from=eager, kv_cache_dtype="bfloat16",
+    kv = request.param
+    eager = make_runner(tiny_llama_dir, kv_cache_dtype=kv, dtype="float32")
+    graph = make_runner(tiny_llama_dir, runner_from=eager, kv_cache_dtype=kv,
                         dtype="float32", enable_torch_compile=True, cuda_graph_bs=BUCKETS)
     float32 = make_runner(tiny_llama_dir, runner_from=eager, dtype="float32")
     assert isinstance(graph.graph_runner, CPUGraphRunner)
@@ -34,16 +37,18 @@ def decode_ops(fn) -> set[str]:
     return {e.name for e in prof.events()}
 
 
-def test_pool_is_bf16_and_half_the_bytes(runners):
+def test_pool_is_16_bit_and_half_the_bytes(runners):
     graph, eager, float32 = runners
-    assert all(b.dtype == torch.bfloat16 for b in eager.kv_pool.k_buffers + eager.kv_pool.v_buffers)
-    assert eager.kernels_report()["kv_cache_dtype"] == "bfloat16"
+    kv = eager.kv_dtype
+    assert kv in (torch.bfloat16, torch.float16)
+    assert all(b.dtype == kv for b in eager.kv_pool.k_buffers + eager.kv_pool.v_buffers)
+    assert eager.kernels_report()["kv_cache_dtype"] == str(kv).removeprefix("torch.")
     assert eager.kernels_report()["cpp_decode_attention"]
     assert 2 * eager.kv_pool.memory_bytes() == float32.kv_pool.memory_bytes()
 
 
 @pytest.mark.parametrize("bs", [1, 3, 4])
-def test_buckets_match_eager_on_a_bf16_cache(runners, bs):
+def test_buckets_match_eager_on_a_16_bit_cache(runners, bs):
     graph, eager, _ = runners
     te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
     assert not graph.fallback_counts
