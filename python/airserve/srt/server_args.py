@@ -346,9 +346,10 @@ class ServerArgs:
         float16 rather than bfloat16 (the same bytes, 3 more mantissa bits): beside the bf16
         matmuls a bf16 cache changed the README's chat answer on the default model, a float16
         one did not; teacher-forced over the cache (benchmark/kernels/fidelity.py
-        --kv-cache-dtypes) float16 gave 98.64% top-1 and +0.19% perplexity with the bf16
-        matmuls and 100% / +0.00% alone, bfloat16 98.29% / +0.13% and 99.75% / +0.00%. float16
-        overflows past 65504, which K/V projections stay far below."""
+        --kv-cache-dtypes, C++ decode attention) float16 gave 98.09% top-1 and +0.18%
+        perplexity with the bf16 matmuls and 100% / +0.00% alone, bfloat16 98.29% / +0.13% and
+        99.75% / +0.00%: both pass, the chat answer decided. float16 overflows past 65504,
+        which K/V projections stay far below."""
         import torch
 
         if self.kv_cache_dtype != "auto":
