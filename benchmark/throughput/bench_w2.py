@@ -18,6 +18,10 @@ sampled from outside every 0.2 s from its start, load included; the same measure
 engine), and the share of requests whose greedy ids equal the first configuration's. Prints a
 table (ratios against the best OpenVINO GenAI configuration) and writes JSON.
 
+`--rounds N` runs the whole list N times over. On a machine whose speed drifts between
+minutes (a shared VM) a ratio is then taken within each round, against the OpenVINO GenAI runs
+of that round, and the summary gives each configuration's median tok/s and median ratio.
+
     python benchmark/throughput/bench_w2.py --ov-python .venv-ovgenai/bin/python \
         --ov-models ~/.cache/airserve/ov_genai --output w2.json
 """
@@ -59,6 +63,7 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     # Nor these: the KV cache's element type (default auto).
     "kv-float32": {"kv_cache_dtype": "float32"},
     "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
+    "kv-float16": {"kv_cache_dtype": "float16"},
 }
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]
@@ -280,6 +285,40 @@ def same_share(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
+def round_ratios(rows: list[dict]) -> dict[str, list[float]]:
+    """Per configuration, its tok/s over the best OpenVINO GenAI tok/s of the same round."""
+    ratios: dict[str, list[float]] = {}
+    for rnd in sorted({r.get("round", 0) for r in rows}):
+        same = [r for r in rows if r.get("round", 0) == rnd and "wall_s" in r]
+        ov = max((r["output_tok_s"] for r in same if r["config"].startswith("ov-genai")),
+                 default=None)
+        for r in same:
+            if ov:
+                ratios.setdefault(r["config"], []).append(r["output_tok_s"] / ov)
+    return ratios
+
+
+def print_summary(rows: list[dict]) -> dict[str, dict]:
+    """Median tok/s and median same-round ratio per configuration; returns them."""
+    ratios = round_ratios(rows)
+    summary = {}
+    print("\n| config | rounds | median output tok/s | median ratio vs OV GenAI, same round | "
+          "ratios |")
+    print("|---" * 5 + "|")
+    for config in dict.fromkeys(r["config"] for r in rows):
+        tps = [r["output_tok_s"] for r in rows if r["config"] == config and "wall_s" in r]
+        if not tps:
+            continue
+        rs = ratios.get(config, [])
+        summary[config] = {"rounds": len(tps), "median_output_tok_s": statistics.median(tps),
+                           "median_ratio": statistics.median(rs) if rs else None,
+                           "ratios": rs}
+        med = f"{statistics.median(rs):.2f}x" if rs else "-"
+        print(f"| {config} | {len(tps)} | {statistics.median(tps):.1f} | {med} | "
+              f"{' '.join(f'{x:.2f}' for x in rs)} |")
+    return summary
+
+
 def print_table(rows: list[dict], cpu: str) -> None:
     ov = [r for r in rows if r["config"].startswith("ov-genai") and "wall_s" in r]
     best = max((r["output_tok_s"] for r in ov), default=None)
@@ -301,6 +340,8 @@ def print_table(rows: list[dict], cpu: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations this many times over (ratios per round)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -335,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_w2_") as tmp_name:
         tmp = Path(tmp_name)
-        for config in args.configs:
-            print(f"== {config}", flush=True)
-            row: dict[str, Any] = {"config": config}
+        for rnd, config in ((r, c) for r in range(args.rounds) for c in args.configs):
+            print(f"== {config}" + (f" (round {rnd + 1})" if args.rounds > 1 else ""),
+                  flush=True)
+            row: dict[str, Any] = {"config": config, "round": rnd}
             try:
                 row.update(run_config(config, base_job, args, tmp))
                 row["output_tok_s"] = row["output_tokens"] / row["wall_s"]
@@ -350,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   failed: {e}", flush=True)
             rows.append(row)
     print_table(rows, cpu)
-    result = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len",
-                                                         "output_len", "num_threads")},
+    summary = print_summary(rows) if args.rounds > 1 else None
+    workload = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
+                                              "num_threads", "rounds")}
+    result = {"summary": summary, "workload": workload,
               "cpu": cpu, "cpu_features": [f for f in FEATURES if f in flags],
               "torch_threads": args.num_threads,
               "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}

@@ -58,3 +58,22 @@ def test_table_prints_a_dash_for_a_missing_figure(bench_w2, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "| 0.50x | 2.0 | 5 | - |" in lines[-2]
     assert "| 1234 |" in lines[-1]
+
+
+def test_ratios_are_taken_within_each_round(bench_w2, capsys):
+    """--rounds: a configuration's ratio is against OpenVINO GenAI's run of the same round, so a
+    machine that slows between rounds does not show up as a change of ratio."""
+    rows = [
+        {"config": "ov-genai:fp32", "round": 0, "wall_s": 1, "output_tok_s": 800.0},
+        {"config": "airserve:compile", "round": 0, "wall_s": 1, "output_tok_s": 400.0},
+        {"config": "ov-genai:fp32", "round": 1, "wall_s": 1, "output_tok_s": 400.0},
+        {"config": "airserve:compile", "round": 1, "wall_s": 1, "output_tok_s": 300.0},
+        {"config": "airserve:compile", "round": 2, "error": "boom"},
+        {"config": "ov-genai:fp32", "round": 2, "wall_s": 1, "output_tok_s": 500.0},
+    ]
+    assert bench_w2.round_ratios(rows)["airserve:compile"] == [0.5, 0.75]
+    summary = bench_w2.print_summary(rows)
+    assert summary["airserve:compile"]["median_ratio"] == 0.625
+    assert summary["airserve:compile"]["median_output_tok_s"] == 350.0
+    assert summary["ov-genai:fp32"]["ratios"] == [1.0, 1.0, 1.0]
+    assert "| airserve:compile | 2 | 350.0 | 0.62x |" in capsys.readouterr().out
