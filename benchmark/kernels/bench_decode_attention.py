@@ -7,12 +7,17 @@ Implementations (`--ops`):
 - `cpp`: the operator as the package builds it (`torch.ops.airserve.paged_decode_attention_cpu`);
   `cpp:scalar` / `cpp:avx2` the same with its instruction set narrowed;
 - `torch`: the plain torch ops path (`torch.ops.airserve.paged_decode_attention`);
-- `git:REV`: `csrc/decode_attention.cpp` as of a git revision (e.g. `git:main`, the kernel before
-  a change), built alone under its own operator namespace, same compiler flags;
+- `git:REV`: `csrc/decode_attention.cpp` and the headers beside it as of a git revision (e.g.
+  `git:main`, the kernel before a change), built alone under its own operator namespace, same
+  compiler flags;
 - `file:PATH`: a source file of the operator, built the same way.
 
 The implementations take turns call by call, so a busy machine's slow spells hit them alike.
 Prints median microseconds per call and writes JSON naming the CPU.
+
+`--layers N` gives each call N caches of its own, as a decode step over N layers reads them (30:
+W2's 64 x 192 positions no longer fit in the caches, so the timing includes the reads from
+memory); a "call" is then the N calls of one step. `--kv-dtype` sets the caches' element type.
 
     python benchmark/kernels/bench_decode_attention.py [--ops git:main cpp] [--json F]
 """
@@ -40,22 +45,42 @@ SCHEMA = ("paged_decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k
 IMPL_LINE = "TORCH_LIBRARY_IMPL(airserve, CPU, lib) {"
 
 
-def load_source(text: str):
-    """Builds one operator source under a namespace of its own; returns the op."""
+def load_source(text: str, includes: dict[str, str] | None = None):
+    """Builds one operator source under a namespace of its own, beside `includes` (file name ->
+    text: the files it includes, as of its revision; default: the package's); returns the op."""
     from torch.utils import cpp_extension
 
     assert IMPL_LINE in text, "the source no longer registers its op the expected way"
-    tag = hashlib.sha1(text.encode()).hexdigest()[:10]
+    tag = hashlib.sha1((text + json.dumps(includes, sort_keys=True)).encode()).hexdigest()[:10]
     namespace = f"airserve_bench_{tag}"
     text = text.replace(IMPL_LINE, f'TORCH_LIBRARY({namespace}, lib) {{\n  lib.def("{SCHEMA}");')
     text = text.replace("TORCH_LIBRARY_FRAGMENT(airserve_isa,", f"TORCH_LIBRARY({namespace}_isa,")
-    path = os.path.join(tempfile.gettempdir(), f"{namespace}.cpp")
+    # A directory of its own: a quoted #include looks beside the source first.
+    folder = os.path.join(tempfile.gettempdir(), namespace)
+    os.makedirs(folder, exist_ok=True)
+    for name, body in (includes or {}).items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(body)
+    path = os.path.join(folder, f"{namespace}.cpp")
     with open(path, "w") as f:
         f.write(text)
     cpp_extension.load(name=namespace, sources=[path], extra_include_paths=[CSRC],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace).paged_decode_attention_cpu.default
+
+
+def git_sources(rev: str) -> tuple[str, dict[str, str]]:
+    """The operator's source and the headers beside it, as of git revision `rev`."""
+    folder = os.path.dirname(SOURCE)
+
+    def show(path: str) -> str:
+        return subprocess.check_output(["git", "show", f"{rev}:{path}"], text=True)
+
+    names = subprocess.check_output(["git", "ls-tree", "--name-only", rev, folder + "/"],
+                                    text=True).split()
+    headers = {os.path.basename(n): show(n) for n in names if n.endswith((".h", ".inc"))}
+    return show(SOURCE), headers
 
 
 def resolve(op: str):
@@ -80,8 +105,7 @@ def resolve(op: str):
         from airserve.srt.layers.attention.torch_native_backend import paged_decode_attention
         return paged_decode_attention
     if op.startswith("git:"):
-        return load_source(subprocess.check_output(["git", "show", f"{op[4:]}:{SOURCE}"],
-                                                   text=True))
+        return load_source(*git_sources(op[4:]))
     if op.startswith("file:"):
         with open(op[5:]) as f:
             return load_source(f.read())
@@ -89,18 +113,27 @@ def resolve(op: str):
                      "(cpp, cpp:ISA, torch, git:REV, file:PATH)")
 
 
-def make_args(bs: int, length: int, heads=9, kv_heads=3, dim=64) -> tuple:
+def make_args(bs: int, length: int, heads=9, kv_heads=3, dim=64,
+              kv_dtype=torch.float32) -> tuple:
     """One decode call's arguments: every row `length` tokens long (the new one included)."""
     g = torch.Generator().manual_seed(0)
     slots = bs * length + 1
-    k_cache = torch.randn(slots, kv_heads, dim, generator=g)
-    v_cache = torch.randn(slots, kv_heads, dim, generator=g)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(kv_dtype)
     table = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32).view(bs, length)
     loc = table[:, -1].to(torch.int64)
     lens = torch.full((bs,), length, dtype=torch.int32)
     q = torch.randn(bs, heads, dim, generator=g)
     k, v = torch.randn(bs, kv_heads, dim, generator=g), torch.randn(bs, kv_heads, dim, generator=g)
     return q, k, v, k_cache, v_cache, loc, table, lens, 1, dim ** -0.5
+
+
+def per_step(fn, layers: list[tuple]):
+    """fn over each layer's caches in turn (the other arguments are the first layer's)."""
+    def step(*args):
+        for k_cache, v_cache in layers:
+            fn(*args[:3], k_cache, v_cache, *args[5:])
+    return step
 
 
 @torch.inference_mode()
@@ -127,32 +160,39 @@ def main() -> None:
     p.add_argument("--lens", type=int, nargs="+", default=[32, 256, 1024, 2048])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--seconds", type=float, default=0.5, help="per configuration")
+    p.add_argument("--layers", type=int, default=1,
+                   help="caches per call, each its own (a step over this many layers)")
+    p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--json", default=None)
     a = p.parse_args()
     ops = {name: resolve(name) for name in a.ops}
     model, flags = host_cpu()
     isa = next((f for f in ("avx512f", "avx2") if f in flags), "no avx2")
-    print(f"CPU: {model} ({isa})")
+    print(f"CPU: {model} ({isa}); {a.kv_dtype} caches, {a.layers} per call")
     head = f"{'bs':>3} {'len':>5} {'thr':>3} " + " ".join(f"{n:>14}" for n in ops)
     print(head + (f" {'speedup':>8}" if len(ops) > 1 else ""))
     rows = []
     for bs in a.bs:
         for length in a.lens:
-            args = make_args(bs, length)
+            args = make_args(bs, length, kv_dtype=getattr(torch, a.kv_dtype))
+            layers = [args[3:5]] + [tuple(c.clone() for c in args[3:5])
+                                    for _ in range(a.layers - 1)]
+            timed = {name: per_step(fn, layers) for name, fn in ops.items()}
             for threads in a.threads:
                 torch.set_num_threads(threads)
-                us = time_interleaved(ops, args, a.seconds)
+                us = time_interleaved(timed, args, a.seconds)
                 first, last = us[a.ops[0]], us[a.ops[-1]]
                 rows.append({"bs": bs, "len": length, "threads": threads, "us": us,
                              "speedup_last_vs_first": first / last})
                 line = f"{bs:>3} {length:>5} {threads:>3} " + " ".join(
                     f"{us[n]:>14.1f}" for n in ops)
                 print(line + (f" {first / last:>7.2f}x" if len(ops) > 1 else ""), flush=True)
-            del args
+            del args, layers, timed
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": model, "cpu_isa": isa, "ops": a.ops, "unit": "median us per call",
-                       "shape": "9 query heads, 3 KV heads, head dim 64, float32, page size 1",
+                       "layers_per_call": a.layers, "kv_dtype": a.kv_dtype,
+                       "shape": "9 query heads, 3 KV heads, head dim 64, page size 1",
                        "rows": rows}, f, indent=1)
 
 

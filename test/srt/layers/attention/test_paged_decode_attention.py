@@ -84,13 +84,16 @@ def test_cpp_op_rejects_what_it_cannot_run():
     q, k = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
     cache = torch.zeros(8, 2, 16)
     table, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="float32 queries, and a float32 or bfloat16 KV"):
+    dtypes = "float32 queries, and a float32, bfloat16 or float16 KV"
+    with pytest.raises(RuntimeError, match=dtypes):
         op(q.bfloat16(), k, k, cache.bfloat16(), cache.bfloat16(), torch.tensor([1]), table,
            lens, 1, 0.25)
-    with pytest.raises(RuntimeError, match="float32 queries, and a float32 or bfloat16 KV"):
-        op(q, k, k, cache.half(), cache.half(), torch.tensor([1]), table, lens, 1, 0.25)
-    with pytest.raises(RuntimeError, match="float32 queries, and a float32 or bfloat16 KV"):
+    with pytest.raises(RuntimeError, match=dtypes):
+        op(q, k, k, cache.double(), cache.double(), torch.tensor([1]), table, lens, 1, 0.25)
+    with pytest.raises(RuntimeError, match=dtypes):
         op(q, k, k, cache, cache.bfloat16(), torch.tensor([1]), table, lens, 1, 0.25)
+    with pytest.raises(RuntimeError, match=dtypes):
+        op(q, k, k, cache.half(), cache.bfloat16(), torch.tensor([1]), table, lens, 1, 0.25)
     with pytest.raises(RuntimeError, match="does not fit the block table"):
         op(q, k, k, cache, cache.clone(), torch.tensor([1]), table, torch.tensor([3]), 1, 0.25)
     with pytest.raises(RuntimeError, match="out_cache_loc out of range"):
