@@ -38,6 +38,20 @@ def test_greedy_is_argmax():
     assert sample(logits, params, [[]] * 4, [[]] * 4, [None] * 4) == logits.argmax(-1).tolist()
 
 
+def test_all_greedy_batch_takes_argmax_ties_and_nan_included():
+    """The all-greedy batch's shortcut (max's indices) picks what argmax picks: the first of
+    tied maxima, and a NaN's index where a row holds one."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (16, 300), generator=g).float()  # many ties per row
+    logits[3, 7] = logits[3, 250] = float("nan")
+    logits[5, :] = float("-inf")
+    logits[6, 100] = float("inf")
+    params = [SamplingParams(temperature=0)] * 16
+    got = sample(logits, params, [[]] * 16, [[]] * 16, [None] * 16)
+    assert got == torch.argmax(logits, dim=-1).tolist()
+    assert got[3] == 7 and got[6] == 100
+
+
 def test_same_seed_same_tokens_different_seed_differs():
     logits = torch.zeros(1, 1000)
     p = SamplingParams(temperature=1.0)
