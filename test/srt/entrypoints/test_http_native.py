@@ -144,6 +144,9 @@ def test_info_endpoints(http, server, tiny_llama_dir):
     kernels = s["decode_kernels"]
     assert kernels["packed_layers"] == {} and kernels["packed_decode_max_bs"] == 0
     assert kernels["cpp_decode_attention"] is True and kernels["linear_layers"] > 0
+    from airserve.srt.layers.attention.torch_native_backend import attention_isas
+
+    assert kernels["decode_attention_isa"] == attention_isas()[0]  # the best this CPU has
     r = http.post("/flush_cache")
     assert r.status_code == 200 and "flushed" in r.text
 

@@ -285,6 +285,10 @@ class ModelRunner:
                                                     self.attn_backend.cpp_built),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
+        if report["cpp_decode_attention"]:
+            from airserve.srt.layers.attention.torch_native_backend import attention_isa
+
+            report["decode_attention_isa"] = attention_isa()
         report.update(packed_report(layers))
         report["matmul_paths"] = matmul_path_report(layers, [n for n, _ in named])
         if cpu_kernels.unavailable_reason():

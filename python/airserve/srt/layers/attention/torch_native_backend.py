@@ -113,6 +113,12 @@ def attention_isas() -> list[str]:
     return list(torch.ops.airserve_isa.attention_isas())
 
 
+def attention_isa() -> str:
+    """The instruction set the C++ decode attention uses now (for head sizes its vector lanes
+    divide; the operator steps down to a narrower one, or plain C++, for others)."""
+    return str(torch.ops.airserve_isa.attention_isa())
+
+
 def use_attention_isa(name: str) -> str:
     """Make the C++ decode attention use `name` ("auto": the best this CPU has); tests and
     benchmarks use it to run every path. Raises RuntimeError for one the CPU lacks."""
