@@ -12,7 +12,7 @@ agreement >= 98% and perplexity within 1% of float32:
   attention reads it, on the default model; each dtype is checked twice against float32 KV
   with float32 matmuls: with float32 matmuls (the cache alone), and with every row, decode rows
   too, multiplied through the bfloat16 path (what a large decode batch runs when `auto` takes
-  bfloat16: the two roundings together).
+  bfloat16: the two roundings together; only on a CPU with bf16 dot products).
 - default: int8 activations of the packed decode kernels, below.
 
 For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
@@ -290,6 +290,8 @@ def check_paths(paths: list[str], n_tokens: int, seq_len: int,
 def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     """The KV cache dtypes' check (module docstring) on the default model over `n_tokens` of
     the packaged text, decoded teacher-forced `batch` sequences side by side."""
+    from airserve.srt.hardware import host_cpu
+    from airserve.srt.layers.quant.path_choice import cpu_has_bf16
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.model_loader.loader import large_path_outliers, load_model, set_large_path
     from airserve.srt.server_args import ServerArgs
@@ -302,7 +304,8 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     # No packed decode kernels: every row multiplies through the large path, so that the
     # bfloat16 configurations round decode rows as a large batch does.
     cfg, model = load_model(None, "float32", "cpu", None, 0)
-    outliers = large_path_outliers(model, tokenizer, "bfloat16")
+    paths = ["float32"] + (["bfloat16"] if cpu_has_bf16(host_cpu()[1]) else [])
+    outliers = large_path_outliers(model, tokenizer, "bfloat16") if len(paths) > 1 else None
 
     current = ["float32"]
 
@@ -317,7 +320,7 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     ref = run("float32", "float32")
     rows = []
     # The bfloat16 path last: it replaces the float32 weights, which nothing brings back.
-    for path in ("float32", "bfloat16"):
+    for path in paths:
         for kv in kv_dtypes:
             t0 = time.perf_counter()
             row = {"kv_cache_dtype": kv, "matmul_path": path, **compare(ref, run(kv, path)),
@@ -325,8 +328,6 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
             rows.append(row)
             print(f"kv {kv}, matmuls {path}: top-1 {row['top1_agreement']:.2%}, perplexity "
                   f"{row['ppl_float32']:.3f} -> {row['ppl']:.3f}", flush=True)
-    from airserve.srt.hardware import host_cpu
-
     return {"rows": rows, "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
             "cpu": host_cpu()[0], "attention_isa": _attention_isa(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -347,24 +348,20 @@ def _attention_isa() -> str | None:
         return None
     from airserve.srt.layers.attention import torch_native_backend as tnb
 
-    return tnb.attention_isas()[0]
+    return tnb.attention_isa()
 
 
-def print_kv_table(report: dict) -> None:
-    print(f"{'kv cache':9} {'matmuls':9} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} "
-          f"{'top-1':>7}  pass")
+def print_compare_table(report: dict, keys: list[tuple[str, str, int]],
+                        seconds: bool = False) -> None:
+    """The rows of `compare` results in `report`, led by `keys` (header, field, width)."""
+    lead = " ".join(f"{head:{width}}" for head, _, width in keys)
+    print(f"{lead} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7}"
+          + (f" {'seconds':>7}" if seconds else "") + "  pass")
     for r in report["rows"]:
-        print(f"{r['kv_cache_dtype']:9} {r['matmul_path']:9} {r['tokens']:6d} "
-              f"{r['ppl_float32']:8.3f} {r['ppl']:8.3f} {r['ppl_change']:7.2%} "
-              f"{r['top1_agreement']:7.2%}  {'yes' if r['passed'] else 'NO'}")
-
-
-def print_path_table(report: dict) -> None:
-    print(f"{'path':18} {'tokens':>6} {'ppl f32':>8} {'ppl':>8} {'change':>7} {'top-1':>7} "
-          f"{'seconds':>7}  pass")
-    for r in report["rows"]:
-        print(f"{r['path']:18} {r['tokens']:6d} {r['ppl_float32']:8.3f} {r['ppl']:8.3f} "
-              f"{r['ppl_change']:7.2%} {r['top1_agreement']:7.2%} {r['seconds']:7.0f}  "
+        lead = " ".join(f"{r[field]:{width}}" for _, field, width in keys)
+        secs = f" {r['seconds']:7.0f}" if seconds else ""
+        print(f"{lead} {r['tokens']:6d} {r['ppl_float32']:8.3f} {r['ppl']:8.3f} "
+              f"{r['ppl_change']:7.2%} {r['top1_agreement']:7.2%}{secs}  "
               f"{'yes' if r['passed'] else 'NO'}")
 
 
@@ -411,12 +408,13 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     if a.kv_cache_dtypes:
         report = check_kv(a.kv_cache_dtypes, a.tokens, a.batch)
-        print_kv_table(report)
+        print_compare_table(report, [("kv cache", "kv_cache_dtype", 9),
+                                     ("matmuls", "matmul_path", 9)])
         _write(a.json, report)
         raise SystemExit(0 if report["passed"] else 1)
     if a.paths:
         report = check_paths(a.paths, a.tokens, a.seq_len, a.int8_outlier_channels)
-        print_path_table(report)
+        print_compare_table(report, [("path", "path", 18)], seconds=True)
         _write(a.json, report)
         raise SystemExit(0 if all(report["passed"].values()) else 1)
     from airserve.srt.layers.quant import block_matvec

@@ -135,3 +135,26 @@ def test_path_check_fails_a_broken_path(tiny_path_runner):
     finally:
         set_large_path(runner.model, "float32")
     assert not broken["passed"] and broken["top1_agreement"] < 0.9, broken
+
+
+def test_kv_cache_check_on_a_short_text() -> None:
+    """--kv-cache-dtypes on the default model, 8 x 32 tokens: every position a decode step over
+    a float16 cache, against float32 KV; alone (float32 matmuls) and beside the bf16 matmuls
+    where this CPU has them. The verdict on the full ~2,000 tokens is recorded in
+    benchmark/kernels/results/fidelity_kv_cache_*.json and ServerArgs.resolved_kv_cache_dtype."""
+    from airserve.srt.hardware import host_cpu
+    from airserve.srt.layers.quant.path_choice import cpu_has_bf16
+
+    _need_default_model()
+    report = fidelity.check_kv(["float16"], n_tokens=256, batch=8)
+    paths = ["float32"] + (["bfloat16"] if cpu_has_bf16(host_cpu()[1]) else [])
+    assert [r["matmul_path"] for r in report["rows"]] == paths
+    alone = report["rows"][0]
+    assert alone["kv_cache_dtype"] == "float16" and alone["tokens"] == 8 * 31
+    # float16 keeps 11 significant bits of K and V: greedy picks barely move.
+    assert alone["top1_agreement"] >= 0.99 and alone["ppl_change"] < 0.005, alone
+    for r in report["rows"]:
+        assert r["ppl"] != r["ppl_float32"] or r["matmul_path"] == "float32", r
+        assert r["top1_agreement"] > 0.9 and r["ppl_change"] < 0.05, r
+        assert r["passed"] == (r["top1_agreement"] >= fidelity.MIN_AGREEMENT
+                               and r["ppl_change"] <= fidelity.MAX_PPL_CHANGE)
