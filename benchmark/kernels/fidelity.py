@@ -144,6 +144,18 @@ def auto_int8_kinds(kinds: frozenset[str] | None):
         block_matvec.AUTO_INT8_KINDS = shipped
 
 
+def default_tokens(n_tokens: int) -> tuple[object, list[int]]:
+    """The default model's tokenizer and the first `n_tokens` tokens of the packaged text."""
+    from airserve.srt.model_loader.loader import default_model_path
+    from airserve.srt.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(default_model_path())
+    tokens = list(tokenizer.encode(packaged_text()))[:n_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    return tokenizer, tokens
+
+
 def split(tokens: list[int], batch: int) -> list[list[int]]:
     n = len(tokens) // batch
     return [tokens[i * n:(i + 1) * n] for i in range(batch)]
@@ -157,12 +169,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
     kinds block_matvec.resolve_activations gives it, or for `auto_kinds` if given), int8 on
     each of `isas` (default: the best this CPU has); returns the report."""
     from airserve.srt.layers.quant import block_matvec
-    from airserve.srt.model_loader.loader import default_model_path
-    from airserve.srt.tokenizer import get_tokenizer
 
-    tokens = list(get_tokenizer(default_model_path()).encode(packaged_text()))[:n_tokens]
-    if len(tokens) < n_tokens:
-        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    _, tokens = default_tokens(n_tokens)
     seqs = split(tokens, batch)
     rows = []
     for scheme in schemes:
@@ -272,13 +280,7 @@ def compare_paths(runner, seqs: list[list[int]], paths: list[str], tokenizer=Non
 def check_paths(paths: list[str], n_tokens: int, seq_len: int,
                 outlier_channels: int | None = None) -> dict:
     """The matmul paths' check on the default model over `n_tokens` of the packaged text."""
-    from airserve.srt.model_loader.loader import default_model_path
-    from airserve.srt.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(default_model_path())
-    tokens = list(tokenizer.encode(packaged_text()))[:n_tokens]
-    if len(tokens) < n_tokens:
-        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    tokenizer, tokens = default_tokens(n_tokens)
     seqs = split(tokens, max(1, n_tokens // seq_len))
     rows = compare_paths(make_path_runner(None, len(seqs), len(seqs[0])), seqs, paths,
                          tokenizer, outlier_channels)
@@ -296,10 +298,7 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     from airserve.srt.model_loader.loader import large_path_outliers, load_model, set_large_path
     from airserve.srt.server_args import ServerArgs
 
-    tokenizer = get_tokenizer_default()
-    tokens = list(tokenizer.encode(packaged_text()))[:n_tokens]
-    if len(tokens) < n_tokens:
-        raise ValueError(f"the packaged text has only {len(tokens)} tokens")
+    tokenizer, tokens = default_tokens(n_tokens)
     seqs = split(tokens, batch)
     # No packed decode kernels: every row multiplies through the large path, so that the
     # bfloat16 configurations round decode rows as a large batch does.
@@ -332,13 +331,6 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
             "cpu": host_cpu()[0], "attention_isa": _attention_isa(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "passed": all(r["passed"] for r in rows)}
-
-
-def get_tokenizer_default():
-    from airserve.srt.model_loader.loader import default_model_path
-    from airserve.srt.tokenizer import get_tokenizer
-
-    return get_tokenizer(default_model_path())
 
 
 def _attention_isa() -> str | None:

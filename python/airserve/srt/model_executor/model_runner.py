@@ -21,7 +21,7 @@ from airserve.srt.distributed.sharding import local_kv_heads
 from airserve.srt.forward_batch import ForwardBatch, ForwardMode, KVCache
 from airserve.srt.hardware import check_device
 from airserve.srt.layers.attention.registry import create_attention_backend
-from airserve.srt.layers.attention.torch_native_backend import cpp_decode_runs
+from airserve.srt.layers.attention.torch_native_backend import attention_isa, cpp_decode_runs
 from airserve.srt.mem_cache.memory_pool import (
     PagedAllocator,
     ReqToTokenPool,
@@ -286,8 +286,6 @@ class ModelRunner:
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
         if report["cpp_decode_attention"]:
-            from airserve.srt.layers.attention.torch_native_backend import attention_isa
-
             report["decode_attention_isa"] = attention_isa()
         report.update(packed_report(layers))
         report["matmul_paths"] = matmul_path_report(layers, [n for n, _ in named])

@@ -65,8 +65,9 @@ inline float widen(bf16_t x) {
   return f;
 }
 
-inline void narrow(float x, float* to) { *to = x; }
 inline float widen(f16_t x) { return static_cast<float>(x); }
+
+inline void narrow(float x, float* to) { *to = x; }
 // Round to nearest even, as torch's float -> float16 conversion does (c10's own conversion).
 inline void narrow(float x, f16_t* to) { *to = f16_t(x); }
 // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays a NaN).
