@@ -1,13 +1,14 @@
 """airserve's C++ operators for the host CPU, built on first use and cached on disk by torch.
 
 `csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights),
-`csrc/packed_or_large.cpp` (a layer's packed or large product, picked by the row count per call)
-and `csrc/decode_attention.cpp` (paged decode attention, float32) are compiled together for this
+`csrc/packed_or_large.cpp` (a layer's packed or large product, picked by the row count per call),
+`csrc/decode_attention.cpp` (paged decode attention, float32) and `csrc/activation.cpp` (the
+MLP's silu(gate) * up over a bf16 gate/up product) are compiled together for this
 CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
 and AVX2, and block_matvec.cpp its float32 products for AVX-512 and AVX2+FMA+F16C, through target
 options whatever this CPU is; each picks one at run time from the CPU's features. Their schemas
 are defined where they are used (`quant/block_matvec.py`, `quant/packed_or_large.py`,
-`attention/torch_native_backend.py`).
+`attention/torch_native_backend.py`, `activation.py`).
 Without a C++ compiler `available()` is False, says why once in the log, and the callers keep
 their plain-torch paths (the model runner reports which).
 """
@@ -22,12 +23,13 @@ import time
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed_or_large.cpp")
+SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed_or_large.cpp",
+           "activation.cpp")
 # Included by the sources: part of the build name, with the sources.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_pairs.inc", "block_int8_q5.inc",
            "block_int8_avx2.inc", "block_f32.h", "block_f32_rows.inc", "block_f32_q5.inc",
            "block_f32_k.inc", "decode_attention_avx2.inc", "decode_attention_avx512.inc",
-           "decode_attention_simd.inc", "isa_select.h")
+           "decode_attention_simd.inc", "isa_select.h", "simd_exp.inc")
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
 # on it forever. A real build of these sources takes well under this many seconds (2-6
 # minutes on a busy 2-core machine: a shorter limit would start a second build in the same

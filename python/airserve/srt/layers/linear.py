@@ -210,11 +210,15 @@ class Linear(nn.Linear):
         `packed_activations` for decode rows, float32 for extend rows."""
         return resolve_activations(self.packed_activations, kind) if decode else "float32"
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False,
+                keep_bf16: bool = False) -> torch.Tensor:
         """x: [..., in_features]. `decode`: x holds decode rows (a ForwardMode.DECODE pass),
-        whose packed products use `packed_activations`; otherwise float32 activations."""
+        whose packed products use `packed_activations`; otherwise float32 activations. The
+        output is float32, except that `keep_bf16` lets the bfloat16 path return its product
+        unwidened (for a consumer that reads bf16, e.g. activation.silu_and_mul)."""
         if x.dim() != 2:
-            return self.forward(x.reshape(-1, x.shape[-1]), decode).reshape(*x.shape[:-1], -1)
+            return self.forward(x.reshape(-1, x.shape[-1]), decode,
+                                keep_bf16).reshape(*x.shape[:-1], -1)
         # `decode` is static inside a compiled graph, the row count may not be (a graph shared
         # by batch sizes): there one operator picks the path per call, as path_for does.
         if self.packed_max_rows and torch.compiler.is_compiling():
@@ -228,7 +232,7 @@ class Linear(nn.Linear):
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         elif path == "bfloat16":
-            out = bf16_linear(x.contiguous(), self.weight_bf16.handle)
+            out = bf16_linear(x.contiguous(), self.weight_bf16.handle, keep_bf16)
         elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif self.weight_onednn is not None:

@@ -7,12 +7,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.distributed.sharding import column_shard, qkv_shards, vocab_shard
+from airserve.srt.layers.activation import silu_and_mul
 from airserve.srt.layers.embedding import VocabParallelEmbedding
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.parallel_linear import ColumnLinear, RowLinear
@@ -136,8 +136,9 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, decode).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, decode)
+        # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic).
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, decode, keep_bf16=True)),
+                              decode)
 
 
 class DecoderLayer(nn.Module):

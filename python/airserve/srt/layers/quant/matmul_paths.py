@@ -249,14 +249,18 @@ _lib.define("bf16_linear(Tensor x, int handle) -> Tensor")
 
 @torch.library.impl(_lib, "bf16_linear", "CPU")
 def _bf16_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    w = _BF16_WEIGHTS[handle]
+    return _bf16_product(x, _BF16_WEIGHTS[handle], False)
+
+
+def _bf16_product(x: torch.Tensor, w: Bf16Weight, keep_bf16: bool) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     if w.onednn:
-        out = torch.ops.mkldnn._linear_pointwise(xb, w.packed, None, "none", [], "").float()
+        out = torch.ops.mkldnn._linear_pointwise(xb, w.packed, None, "none", [], "")
     else:
-        out = F.linear(xb, w.packed).float()
+        out = F.linear(xb, w.packed)
     if w.channels is None:
-        return out
+        return out if keep_bf16 else out.float()
+    out = out.float()
     xs = x.index_select(1, w.channels)
     return out.addmm_(xs - xs.to(torch.bfloat16).float(), w.residual_weight)
 
@@ -284,8 +288,13 @@ def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
     return weight_bf16
 
 
-def bf16_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """x float32 [M, K] -> float32 [M, N] through the bfloat16 weight `handle`."""
+def bf16_linear(x: torch.Tensor, handle: int, keep_bf16: bool = False) -> torch.Tensor:
+    """x float32 (or bfloat16) [M, K] -> float32 [M, N] through the bfloat16 weight `handle`;
+    `keep_bf16`: the product as oneDNN wrote it, bfloat16, unless the weight adds float32
+    residual channels (then float32 as always). `keep_bf16` is for eager callers: compiled
+    graphs reach the weight through the operator, which widens."""
+    if keep_bf16 and not torch.compiler.is_compiling():
+        return _bf16_product(x, _BF16_WEIGHTS[handle], True)
     return torch.ops.airserve.bf16_linear(x, handle)
 
 

@@ -90,9 +90,10 @@ class OpenVINOLinear(nn.Module):
                              torch.bitwise_right_shift(self.qs, 4)), dim=-1)
         return pairs.view(n, groups, BLOCK)
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        # `decode` (Linear.forward's) changes nothing here: OpenVINO picks its own activation
-        # precision for these graphs (--openvino-dynamic-quant-group-size).
+    def forward(self, x: torch.Tensor, decode: bool = False,
+                keep_bf16: bool = False) -> torch.Tensor:
+        # `decode` and `keep_bf16` (Linear.forward's) change nothing here: OpenVINO picks its
+        # own activation precision for these graphs (--openvino-dynamic-quant-group-size).
         n, k = self.out_features, self.in_features
         q = self.weight_q().to(x.dtype)
         if self.zp is not None:
@@ -117,7 +118,8 @@ class ConcatLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.bias = bias
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False,
+                keep_bf16: bool = False) -> torch.Tensor:
         y = torch.cat([p(x, decode) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 

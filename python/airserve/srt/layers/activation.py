@@ -1,0 +1,39 @@
+"""The MLP's gated activation: silu(gate) * up over a merged gate/up projection's output.
+
+Where the large matmul path is bfloat16 its gate/up product stays bfloat16 and the C++ operator
+`airserve::silu_and_mul` (csrc/activation.cpp) reads it once and writes the float32 product;
+everywhere else (float32 products, compiled graphs, where inductor fuses the same arithmetic, or
+without the C++ operators) plain torch ops compute it from float32. Both are float32 arithmetic
+on the same values: the operator's exponential is a polynomial (relative error ~1e-7), so the
+two agree to a few float32 ulps, not bit for bit."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_lib = torch.library.Library("airserve", "FRAGMENT")
+_lib.define("silu_and_mul(Tensor gate_up) -> Tensor")
+# The same operator's plain C++ loop (any CPU): for tests against the vector one.
+_lib.define("silu_and_mul_portable(Tensor gate_up) -> Tensor")
+
+
+@torch.library.register_fake("airserve::silu_and_mul")
+def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2N] (float32 or bfloat16) -> float32 [..., N] = silu(gate) * up."""
+    if (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
+            and not torch.compiler.is_compiling() and _kernels_available()):
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        return torch.ops.airserve.silu_and_mul(flat).reshape(*gate_up.shape[:-1], -1)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _kernels_available() -> bool:
+    from airserve.srt.layers import cpu_kernels
+
+    return cpu_kernels.available()
