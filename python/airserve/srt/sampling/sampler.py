@@ -16,6 +16,12 @@ import torch
 
 from airserve.srt.sampling.sampling_params import SamplingParams
 
+# Greedy rows' argmax on the host CPU (csrc/argmax.cpp): the first largest value's index, or
+# the first NaN's, as torch.max's indices; _portable is its plain loop, for tests.
+_lib = torch.library.Library("airserve", "FRAGMENT")
+_lib.define("argmax_rows(Tensor logits) -> Tensor")
+_lib.define("argmax_rows_portable(Tensor logits) -> Tensor")
+
 # Below this temperature a row is argmax (as SGLang): dividing by it only amplifies rounding.
 GREEDY_TEMPERATURE = 1e-6
 # Above this, the distribution is uniform over the finite logits to float64 precision anyway;
@@ -106,12 +112,26 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     simple = all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params) \
         and not any(banned or ())
     if simple:
-        # max's indices are argmax's (the first largest; a NaN counts as largest in both), in
-        # half the time on CPU: [64, 49152] float32, 2 threads, 0.9 against 1.8 ms.
-        return logits.max(dim=-1).indices.tolist()
+        return greedy_tokens(logits)
     return [sample_one(logits[i], p, prompt_ids[i], output_ids[i], generators[i],
                        banned[i] if banned else ())
             for i, p in enumerate(params)]
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: the first largest logit (a NaN counts as largest)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.dtype in (torch.float32, torch.bfloat16) and _kernels_available()):
+        # [64, 49152] float32, 2 threads, AMD EPYC: ~0.2 against ~1.8 ms for torch's max.
+        return torch.ops.airserve.argmax_rows(logits).tolist()
+    # max's indices are argmax's, in half the time on CPU (0.9 against 1.8 ms).
+    return logits.max(dim=-1).indices.tolist()
+
+
+def _kernels_available() -> bool:
+    from airserve.srt.layers import cpu_kernels
+
+    return cpu_kernels.available()
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],

@@ -1,0 +1,143 @@
+// Greedy sampling's argmax over each row of the logits [rows, vocab] (float32 or bfloat16):
+// the index of the first largest value, or of the first NaN when a row has one, as torch.max's
+// indices give it. torch's max(dim) took ~1.8 ms on [64, 49152] float32 (2 threads, AMD EPYC),
+// about as long as it is across bfloat16 too: ~3% of a batch-64 decode step. Here each row is
+// read twice from cache (its largest value, then where it first occurs) with eight-lane
+// compares, rows split over the threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define AIRSERVE_ARGMAX_AVX2 1
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+int64_t argmax_portable(const T* row, int64_t n) {
+  int64_t best = 0;
+  float mx = widen(row[0]);
+  if (std::isnan(mx)) return 0;
+  for (int64_t j = 1; j < n; ++j) {
+    const float x = widen(row[j]);
+    if (std::isnan(x)) return j;
+    if (x > mx) {
+      mx = x;
+      best = j;
+    }
+  }
+  return best;
+}
+
+#ifdef AIRSERVE_ARGMAX_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace argmax_avx2 {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 bits into the high half of each lane
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+int64_t argmax(const T* row, int64_t n) {
+  if (n < 16) return argmax_portable(row, n);
+  // Pass 1: the largest value, and whether any lane saw a NaN.
+  __m256 mx = load8(row), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+  int64_t j = 8;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = load8(row + j);
+    mx = _mm256_max_ps(mx, x);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  float m = -INFINITY;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float v : lanes) m = v > m ? v : m;
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t t = j; t < n; ++t) {
+    const float x = widen(row[t]);
+    if (std::isnan(x)) has_nan = true;
+    else if (x > m) m = x;
+  }
+  if (has_nan) return argmax_portable(row, n);  // the first NaN
+  // Pass 2: where the largest value first occurs.
+  const __m256 target = _mm256_set1_ps(m);
+  for (j = 0; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + j), target, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(mask);
+  }
+  for (; j < n; ++j)
+    if (widen(row[j]) == m) return j;
+  return 0;  // unreachable: m is one of the row's values
+}
+
+}  // namespace argmax_avx2
+#pragma GCC pop_options
+#endif  // AIRSERVE_ARGMAX_AVX2
+
+bool use_avx2() {
+#ifdef AIRSERVE_ARGMAX_AVX2
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void run(const at::Tensor& logits, at::Tensor& out, bool vector) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  const T* p = logits.data_ptr<T>();
+  int64_t* o = out.data_ptr<int64_t>();
+  // A row of a typical vocabulary is tens of microseconds: one row per task is enough.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+#ifdef AIRSERVE_ARGMAX_AVX2
+      if (vector) {
+        o[r] = argmax_avx2::argmax(p + r * n, n);
+        continue;
+      }
+#endif
+      o[r] = argmax_portable(p + r * n, n);
+    }
+  });
+}
+
+at::Tensor argmax_rows_impl(const at::Tensor& logits, bool vector) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0,
+              "airserve::argmax_rows: logits must be [rows, vocab] with vocab > 0");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "airserve::argmax_rows: logits must be float32 or bfloat16, got ", dtype);
+  const at::Tensor in = logits.contiguous();
+  at::Tensor out = at::empty({in.size(0)}, in.options().dtype(at::kLong));
+  vector = vector && use_avx2();
+  if (dtype == at::kFloat) run<float>(in, out, vector);
+  else run<c10::BFloat16>(in, out, vector);
+  return out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) { return argmax_rows_impl(logits, true); }
+
+at::Tensor argmax_rows_portable(const at::Tensor& logits) {
+  return argmax_rows_impl(logits, false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
+  lib.impl("argmax_rows", &argmax_rows);
+  lib.impl("argmax_rows_portable", &argmax_rows_portable);
+}
