@@ -3,13 +3,14 @@
 `csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights),
 `csrc/packed_or_large.cpp` (a layer's packed or large product, picked by the row count per call),
 `csrc/decode_attention.cpp` (paged decode attention, float32), `csrc/activation.cpp` (the
-MLP's silu(gate) * up over a bf16 gate/up product) and `csrc/argmax.cpp` (greedy sampling's
-argmax per row) are compiled together for this
+MLP's silu(gate) * up over a bf16 gate/up product), `csrc/logits.cpp` (greedy sampling's argmax
+per row, and the float32 refinement of bf16-rounded top logits) and `csrc/norm_rope.cpp`
+(RMSNorm and the rotary embedding of eager passes) are compiled together for this
 CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
 and AVX2, and block_matvec.cpp its float32 products for AVX-512 and AVX2+FMA+F16C, through target
 options whatever this CPU is; each picks one at run time from the CPU's features. Their schemas
 are defined where they are used (`quant/block_matvec.py`, `quant/packed_or_large.py`,
-`attention/torch_native_backend.py`, `activation.py`, `sampling/sampler.py`).
+`attention/torch_native_backend.py`, `activation.py`, `norm_rope.py`, `sampling/sampler.py`).
 Without a C++ compiler `available()` is False, says why once in the log, and the callers keep
 their plain-torch paths (the model runner reports which).
 """
@@ -25,7 +26,7 @@ import time
 logger = logging.getLogger(__name__)
 
 SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed_or_large.cpp",
-           "activation.cpp", "argmax.cpp")
+           "activation.cpp", "logits.cpp", "norm_rope.cpp")
 # Included by the sources: part of the build name, with the sources.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_pairs.inc", "block_int8_q5.inc",
            "block_int8_avx2.inc", "block_f32.h", "block_f32_rows.inc", "block_f32_q5.inc",

@@ -137,6 +137,8 @@ def load_model(model_path: str | None, dtype: str, device: str,
             outliers = large_path_outliers(model, get_tokenizer(path), large_path,
                                            int8_outlier_channels)
         set_large_path(model, large_path, float32_matmul, outliers)
+        if model.enable_logit_refinement():
+            logger.info("bf16 lm_head: each row's top logits are recomputed in float32")
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
                 cfg.num_hidden_layers, torch_dtype, device,
                 f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")

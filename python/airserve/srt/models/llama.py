@@ -12,6 +12,7 @@ from torch import nn
 from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.distributed.sharding import column_shard, qkv_shards, vocab_shard
+from airserve.srt.layers import norm_rope
 from airserve.srt.layers.activation import silu_and_mul
 from airserve.srt.layers.embedding import VocabParallelEmbedding
 from airserve.srt.layers.linear import Linear
@@ -29,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32 and norm_rope.fused_eager(x):
+            return norm_rope.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,6 +84,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by the tables of `RotaryEmbedding.forward`, in float32."""
+    if norm_rope.fused_eager(x):
+        return norm_rope.rotary(x, cos, sin)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
@@ -182,6 +187,24 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ColumnLinear(cfg.hidden_size, [shard])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.refine_logits = False  # enable_logit_refinement
+
+    def enable_logit_refinement(self) -> bool:
+        """Refine the top logits in float32 after a bfloat16 lm_head product (its output is
+        rounded to bf16: 8 significant bits, steps of 0.125 at the default model's logits of
+        16-32, so near-equal top tokens tie and the tie goes to the lower token id; the README's
+        chat example once flipped its first token that way, "The" and "L" both -1.8997 after
+        rounding, 0.08 apart in float32). Every pass, decode and extend alike, so a token does
+        not depend on which kind of step produced it. Needs the float32 weight on the CPU (a
+        tied lm_head keeps the embedding's) and the C++ operators; else off. Returns whether
+        it is on."""
+        from airserve.srt.layers import cpu_kernels
+
+        w = self.lm_head.weight
+        self.refine_logits = bool(
+            self.lm_head.large_path == "bfloat16" and w is not None and w.device.type == "cpu"
+            and w.dtype == torch.float32 and cpu_kernels.available())
+        return self.refine_logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -194,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         elif fb.last_token_indices is not None and not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices]
         logits = self.lm_head(hidden, fb.forward_mode.is_decode()).float()
+        if self.refine_logits and hidden.dtype == torch.float32:
+            torch.ops.airserve.refine_top_logits_(logits, hidden, self.lm_head.weight,
+                                                  self.lm_head.bias, REFINED_LOGITS)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[:, :self.config.vocab_size]
@@ -269,6 +295,21 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 total += sum(p.numel() * p.element_size() for p in module.parameters())
         return total
+
+
+# At most this many logits per row that refine_top_logits_ recomputes in float32.
+REFINED_LOGITS = 8
+
+_lib = torch.library.Library("airserve", "FRAGMENT")
+# csrc/logits.cpp: in place, each row's logits within 2^-7 (relative) of its largest, at most
+# max_k, recomputed in float32 as hidden . weight[token] (+ bias).
+_lib.define("refine_top_logits_(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor? bias, "
+            "int max_k) -> ()")
+
+
+@torch.library.register_fake("airserve::refine_top_logits_")
+def _refine_top_logits_fake(logits, hidden, weight, bias, max_k) -> None:
+    return None
 
 
 def checkpoint_targets(model: nn.Module, packed: bool = False

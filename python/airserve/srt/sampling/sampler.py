@@ -16,7 +16,7 @@ import torch
 
 from airserve.srt.sampling.sampling_params import SamplingParams
 
-# Greedy rows' argmax on the host CPU (csrc/argmax.cpp): the first largest value's index, or
+# Greedy rows' argmax on the host CPU (csrc/logits.cpp): the first largest value's index, or
 # the first NaN's, as torch.max's indices; _portable is its plain loop, for tests.
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
