@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from airserve.srt.layers import cpu_kernels
+
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("silu_and_mul(Tensor gate_up) -> Tensor")
 # The same operator's plain C++ loop (any CPU): for tests against the vector one.
@@ -26,14 +28,8 @@ def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2N] (float32 or bfloat16) -> float32 [..., N] = silu(gate) * up."""
     if (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
-            and not torch.compiler.is_compiling() and _kernels_available()):
+            and not torch.compiler.is_compiling() and cpu_kernels.available()):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return torch.ops.airserve.silu_and_mul(flat).reshape(*gate_up.shape[:-1], -1)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def _kernels_available() -> bool:
-    from airserve.srt.layers import cpu_kernels
-
-    return cpu_kernels.available()

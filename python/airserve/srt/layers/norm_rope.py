@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from airserve.srt.layers import cpu_kernels
+
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
@@ -21,8 +23,6 @@ def fused_eager(x: torch.Tensor) -> bool:
     the operators built."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    from airserve.srt.layers import cpu_kernels
-
     return cpu_kernels.available()
 
 

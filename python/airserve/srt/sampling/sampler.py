@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from airserve.srt.layers import cpu_kernels
 from airserve.srt.sampling.sampling_params import SamplingParams
 
 # Greedy rows' argmax on the host CPU (csrc/logits.cpp): the first largest value's index, or
@@ -121,17 +122,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax: the first largest logit (a NaN counts as largest)."""
     if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
-            and logits.dtype in (torch.float32, torch.bfloat16) and _kernels_available()):
+            and logits.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()):
         # [64, 49152] float32, 2 threads, AMD EPYC: ~0.2 against ~1.8 ms for torch's max.
         return torch.ops.airserve.argmax_rows(logits).tolist()
     # max's indices are argmax's, in half the time on CPU (0.9 against 1.8 ms).
     return logits.max(dim=-1).indices.tolist()
-
-
-def _kernels_available() -> bool:
-    from airserve.srt.layers import cpu_kernels
-
-    return cpu_kernels.available()
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],

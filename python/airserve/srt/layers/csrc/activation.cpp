@@ -11,10 +11,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "cpu_common.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -23,12 +23,7 @@
 
 namespace {
 
-// Rows per task: a task is at least this many output elements (waking the pool for less costs
-// more than the arithmetic).
-constexpr int64_t kMinElementsPerTask = 16384;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+using airserve_cpu::widen;
 
 template <typename T>
 void silu_mul_portable(const T* gate, const T* up, float* out, int64_t n) {
@@ -42,13 +37,7 @@ void silu_mul_portable(const T* gate, const T* up, float* out, int64_t n) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace act_avx2 {
-#include "simd_exp.inc"
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 bits into the high half of each lane
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#include "avx2_common.inc"
 
 template <typename T>
 void silu_mul(const T* gate, const T* up, float* out, int64_t n) {
@@ -70,22 +59,12 @@ void silu_mul(const T* gate, const T* up, float* out, int64_t n) {
 #pragma GCC pop_options
 #endif  // AIRSERVE_ACT_AVX2
 
-bool use_avx2() {
-#ifdef AIRSERVE_ACT_AVX2
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
 template <typename T>
 void run(const at::Tensor& gate_up, at::Tensor& out, bool vector) {
   const int64_t m = gate_up.size(0), n = out.size(1);
   const T* in = gate_up.data_ptr<T>();
   float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(n, 1));
-  at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, m, airserve_cpu::grain_rows(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* gate = in + r * 2 * n;
 #ifdef AIRSERVE_ACT_AVX2
@@ -111,7 +90,7 @@ at::Tensor silu_and_mul_impl(const at::Tensor& gate_up, bool vector) {
               "airserve::silu_and_mul: gate_up must be float32 or bfloat16, got ", dtype);
   const at::Tensor in = gate_up.contiguous();
   at::Tensor out = at::empty({in.size(0), in.size(1) / 2}, in.options().dtype(at::kFloat));
-  vector = vector && use_avx2();
+  vector = vector && airserve_cpu::has_avx2_fma();
   if (dtype == at::kFloat) run<float>(in, out, vector);
   else run<c10::BFloat16>(in, out, vector);
   return out;

@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define AIRSERVE_ARGMAX_AVX2 1
@@ -30,8 +32,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+using airserve_cpu::widen;
 
 template <typename T>
 int64_t argmax_portable(const T* row, int64_t n) {
@@ -54,11 +55,7 @@ int64_t argmax_portable(const T* row, int64_t n) {
 #pragma GCC target("avx2,fma")
 namespace argmax_avx2 {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 bits into the high half of each lane
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#include "avx2_common.inc"
 
 template <typename T>
 int64_t argmax(const T* row, int64_t n) {
@@ -114,23 +111,12 @@ void collect(const float* row, int64_t n, float floor,
 #pragma GCC pop_options
 #endif  // AIRSERVE_ARGMAX_AVX2
 
-bool use_avx2() {
-#ifdef AIRSERVE_ARGMAX_AVX2
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
 template <typename T>
 void run(const at::Tensor& logits, at::Tensor& out, bool vector) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   const T* p = logits.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  // A row of a typical vocabulary is tens of microseconds: one row per task is enough.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, airserve_cpu::grain_rows(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
 #ifdef AIRSERVE_ARGMAX_AVX2
       if (vector) {
@@ -151,7 +137,7 @@ at::Tensor argmax_rows_impl(const at::Tensor& logits, bool vector) {
               "airserve::argmax_rows: logits must be float32 or bfloat16, got ", dtype);
   const at::Tensor in = logits.contiguous();
   at::Tensor out = at::empty({in.size(0)}, in.options().dtype(at::kLong));
-  vector = vector && use_avx2();
+  vector = vector && airserve_cpu::has_avx2_fma();
   if (dtype == at::kFloat) run<float>(in, out, vector);
   else run<c10::BFloat16>(in, out, vector);
   return out;
@@ -184,7 +170,7 @@ void refine_top_logits_(at::Tensor& logits, const at::Tensor& hidden, const at::
   const float* hp = h.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  const bool vector = use_avx2();
+  const bool vector = airserve_cpu::has_avx2_fma();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     std::vector<std::pair<float, int64_t>> cand;
     for (int64_t r = r0; r < r1; ++r) {

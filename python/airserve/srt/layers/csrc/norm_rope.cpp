@@ -13,9 +13,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "cpu_common.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -27,9 +28,6 @@
 #endif
 
 namespace {
-
-// Below this many elements a task is not worth waking a thread for.
-constexpr int64_t kMinElementsPerTask = 16384;
 
 void rms_row_portable(const float* x, const float* w, float* out, int64_t d, float eps) {
   float ss = 0.f;
@@ -92,18 +90,7 @@ void rotate(const float* x, const float* cos, const float* sin, float* out, int6
 #pragma GCC pop_options
 #endif  // AIRSERVE_NORM_AVX2
 
-bool use_avx2() {
-#ifdef AIRSERVE_NORM_AVX2
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
-int64_t grain_rows(int64_t row_elements) {
-  return std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(row_elements, 1));
-}
+using airserve_cpu::grain_rows;
 
 // x [T, D] -> w * (x * rsqrt(mean(x^2) + eps)), float32.
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -121,7 +108,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  vector = vector && use_avx2();
+  vector = vector && airserve_cpu::has_avx2_fma();
   at::parallel_for(0, t, grain_rows(d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
 #ifdef AIRSERVE_NORM_AVX2
@@ -156,7 +143,7 @@ at::Tensor rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t st = in.stride(0), sh = in.stride(1);
-  vector = vector && use_avx2();
+  vector = vector && airserve_cpu::has_avx2_fma();
   at::parallel_for(0, t, grain_rows(heads * d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
