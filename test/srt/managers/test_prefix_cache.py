@@ -258,3 +258,27 @@ def test_running_requests_share_their_prompt_before_finishing(engine):
     while sched.has_work():
         sched.step()
     sched.flush_cache()
+
+
+def test_running_never_exceeds_max_running_with_a_chunked_prompt(tiny_llama_dir):
+    """A prompt prefilled in chunks takes one of the max_running_requests slots while its
+    chunks run: when it joins the running requests the batch is still within the limit (it
+    was one over: decode batches of 33 under 32, which the graph runner has no bucket for)."""
+    eng = Engine(model_path=tiny_llama_dir, max_total_tokens=4096, max_running_requests=4)
+    try:
+        vocab = eng.model_runner.model_config.vocab_size
+        rng = random.Random(3)
+        params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 12,
+                                           "ignore_eos": True})
+        sched = make_scheduler(eng, chunked_prefill_size=16, radix_cache=False)
+        reqs = [build_req(eng.tokenizer, [rng.randrange(1, vocab) for _ in range(n)], params)
+                for n in [40, 5, 6, 7, 33, 4, 50, 3, 8, 9]]
+        for req in reqs:
+            sched.add_request(req)
+        most = 0
+        while sched.has_work():
+            sched.step()
+            most = max(most, len(sched.running))
+        assert most == 4 and all(r.finished for r in reqs)
+    finally:
+        eng.shutdown()

@@ -66,6 +66,9 @@ class PrefillAdder:
             return False
         self.kv.make_room(pages)
         self._take(req, take)
+        # It joins the running requests after its last chunk: its slot is one of this step's,
+        # or max_running_requests would be exceeded by one (a decode batch of 33 under 32).
+        self.free_req_slots -= 1
         return True
 
     def add(self, req: Req) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.distributed.sharding import column_shard, qkv_shards, vocab_shard
-from airserve.srt.layers import norm_rope
+from airserve.srt.layers import cpu_kernels, norm_rope
 from airserve.srt.layers.activation import silu_and_mul
 from airserve.srt.layers.embedding import VocabParallelEmbedding
 from airserve.srt.layers.linear import Linear
@@ -198,8 +198,6 @@ class LlamaForCausalLM(nn.Module):
         not depend on which kind of step produced it. Needs the float32 weight on the CPU (a
         tied lm_head keeps the embedding's) and the C++ operators; else off. Returns whether
         it is on."""
-        from airserve.srt.layers import cpu_kernels
-
         w = self.lm_head.weight
         self.refine_logits = bool(
             self.lm_head.large_path == "bfloat16" and w is not None and w.device.type == "cpu"
