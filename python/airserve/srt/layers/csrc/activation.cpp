@@ -64,17 +64,12 @@ void run(const at::Tensor& gate_up, at::Tensor& out, bool vector) {
   const int64_t m = gate_up.size(0), n = out.size(1);
   const T* in = gate_up.data_ptr<T>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, m, airserve_cpu::grain_rows(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* gate = in + r * 2 * n;
+  airserve_cpu::for_each_row(m, n, [&](int64_t r) {
+    const T* gate = in + r * 2 * n;
 #ifdef AIRSERVE_ACT_AVX2
-      if (vector) {
-        act_avx2::silu_mul(gate, gate + n, o + r * n, n);
-        continue;
-      }
+    if (vector) return act_avx2::silu_mul(gate, gate + n, o + r * n, n);
 #endif
-      silu_mul_portable(gate, gate + n, o + r * n, n);
-    }
+    silu_mul_portable(gate, gate + n, o + r * n, n);
   });
 }
 

@@ -2,6 +2,7 @@
 // norm_rope.cpp): plain C++, no target options.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -27,6 +28,14 @@ inline bool has_avx2_fma() {
 // ~16K elements (waking the pool for less costs more than the arithmetic).
 inline int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+}
+
+// fn(r) for r in [0, rows), rows of `row_elements` elements split over the threads.
+template <typename Fn>
+void for_each_row(int64_t rows, int64_t row_elements, const Fn& fn) {
+  at::parallel_for(0, rows, grain_rows(row_elements), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(r);
+  });
 }
 
 }  // namespace airserve_cpu

@@ -111,22 +111,22 @@ void collect(const float* row, int64_t n, float floor,
 #pragma GCC pop_options
 #endif  // AIRSERVE_ARGMAX_AVX2
 
+// One row's argmax, by the vector loops when `vector` (and compiled), else the plain one.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n, bool vector) {
+#ifdef AIRSERVE_ARGMAX_AVX2
+  if (vector) return argmax_avx2::argmax(row, n);
+#endif
+  return argmax_portable(row, n);
+}
+
 template <typename T>
 void run(const at::Tensor& logits, at::Tensor& out, bool vector) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   const T* p = logits.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, airserve_cpu::grain_rows(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-#ifdef AIRSERVE_ARGMAX_AVX2
-      if (vector) {
-        o[r] = argmax_avx2::argmax(p + r * n, n);
-        continue;
-      }
-#endif
-      o[r] = argmax_portable(p + r * n, n);
-    }
-  });
+  airserve_cpu::for_each_row(rows, n,
+                             [&](int64_t r) { o[r] = row_argmax(p + r * n, n, vector); });
 }
 
 at::Tensor argmax_rows_impl(const at::Tensor& logits, bool vector) {
@@ -175,12 +175,7 @@ void refine_top_logits_(at::Tensor& logits, const at::Tensor& hidden, const at::
     std::vector<std::pair<float, int64_t>> cand;
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * vocab;
-#ifdef AIRSERVE_ARGMAX_AVX2
-      const int64_t top = vector ? argmax_avx2::argmax(row, vocab) : argmax_portable(row, vocab);
-#else
-      const int64_t top = argmax_portable(row, vocab);
-#endif
-      const float m = row[top];
+      const float m = row[row_argmax(row, vocab, vector)];
       if (!std::isfinite(m)) continue;  // NaN or inf: nothing to refine against
       const float floor = m - std::fabs(m) * kRefineMargin;
       cand.clear();

@@ -90,8 +90,6 @@ void rotate(const float* x, const float* cos, const float* sin, float* out, int6
 #pragma GCC pop_options
 #endif  // AIRSERVE_NORM_AVX2
 
-using airserve_cpu::grain_rows;
-
 // x [T, D] -> w * (x * rsqrt(mean(x^2) + eps)), float32.
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
                          bool vector) {
@@ -109,16 +107,11 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   vector = vector && airserve_cpu::has_avx2_fma();
-  at::parallel_for(0, t, grain_rows(d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  airserve_cpu::for_each_row(t, d, [&](int64_t r) {
 #ifdef AIRSERVE_NORM_AVX2
-      if (vector) {
-        norm_avx2::rms_row(xp + r * d, wp, op + r * d, d, e);
-        continue;
-      }
+    if (vector) return norm_avx2::rms_row(xp + r * d, wp, op + r * d, d, e);
 #endif
-      rms_row_portable(xp + r * d, wp, op + r * d, d, e);
-    }
+    rms_row_portable(xp + r * d, wp, op + r * d, d, e);
   });
   return out;
 }
@@ -144,19 +137,17 @@ at::Tensor rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   float* op = out.data_ptr<float>();
   const int64_t st = in.stride(0), sh = in.stride(1);
   vector = vector && airserve_cpu::has_avx2_fma();
-  at::parallel_for(0, t, grain_rows(heads * d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* src = xp + r * st + h * sh;
-        float* dst = op + (r * heads + h) * d;
+  airserve_cpu::for_each_row(t, heads * d, [&](int64_t r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = xp + r * st + h * sh;
+      float* dst = op + (r * heads + h) * d;
 #ifdef AIRSERVE_NORM_AVX2
-        if (vector) {
-          norm_avx2::rotate(src, cp + r * d, sp + r * d, dst, d);
-          continue;
-        }
-#endif
-        rotate_portable(src, cp + r * d, sp + r * d, dst, d);
+      if (vector) {
+        norm_avx2::rotate(src, cp + r * d, sp + r * d, dst, d);
+        continue;
       }
+#endif
+      rotate_portable(src, cp + r * d, sp + r * d, dst, d);
     }
   });
   return out;
