@@ -2,9 +2,9 @@
 
 `csrc/block_matvec.cpp` and `csrc/block_int8.cpp` (products with GGUF block-quantized weights),
 `csrc/packed_or_large.cpp` (a layer's packed or large product, picked by the row count per call),
-`csrc/decode_attention.cpp` (paged decode attention, float32), `csrc/activation.cpp` (the
-MLP's silu(gate) * up over a bf16 gate/up product), `csrc/logits.cpp` (greedy sampling's argmax
-per row, and the float32 refinement of bf16-rounded top logits) and `csrc/norm_rope.cpp`
+`csrc/decode_attention.cpp` (paged decode and prefill attention, float32), `csrc/activation.cpp`
+(the MLP's silu(gate) * up over a bf16 gate/up product), `csrc/logits.cpp` (greedy sampling's
+argmax per row, and the float32 refinement of bf16-rounded top logits) and `csrc/norm_rope.cpp`
 (RMSNorm and the rotary embedding of eager passes) are compiled together for this
 CPU (-march=native). block_int8.cpp also compiles its int8 products for AVX-512 VNNI, AVX-VNNI
 and AVX2, and block_matvec.cpp its float32 products for AVX-512 and AVX2+FMA+F16C, through target
@@ -31,8 +31,8 @@ SOURCES = ("block_matvec.cpp", "block_int8.cpp", "decode_attention.cpp", "packed
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_pairs.inc", "block_int8_q5.inc",
            "block_int8_avx2.inc", "block_f32.h", "block_f32_rows.inc", "block_f32_q5.inc",
            "block_f32_k.inc", "decode_attention_avx2.inc", "decode_attention_avx512.inc",
-           "decode_attention_simd.inc", "isa_select.h", "avx2_common.inc",
-           "cpu_common.h")
+           "decode_attention_simd.inc", "prefill_attention_simd.inc", "isa_select.h",
+           "avx2_common.inc", "cpu_common.h")
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
 # on it forever. A real build of these sources takes well under this many seconds (2-6
 # minutes on a busy 2-core machine: a shorter limit would start a second build in the same

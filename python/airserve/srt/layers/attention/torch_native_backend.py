@@ -88,6 +88,17 @@ def _(q, k, v, k_cache, v_cache, out_cache_loc, block_table, seq_lens, page_size
     return torch.empty_like(q)
 
 
+# Prefill attention in one C++ operator (csrc/decode_attention.cpp, float32): sequence b's
+# new tokens q[q_starts[b]:][:new_lens[b]], at positions prefix_lens[b] + j, attend causally over
+# k/v[k_starts[b]:][:prefix_lens[b] + new_lens[b]] (its prefix's keys, then the new ones), into
+# `out` in place. ~2x torch's flash kernel on W2's prefill shapes (2 threads, AVX-512), and a
+# token's output does not depend on whether its prompt ran whole, in chunks or after a cache hit.
+_lib.define(
+    "prefill_attention_cpu(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] q_starts, "
+    "int[] k_starts, int[] prefix_lens, int[] new_lens, float scale) -> ()"
+)
+
+
 # KV cache dtypes the C++ decode operator reads (its queries and arithmetic are float32).
 CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -159,10 +170,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_cache.index_copy_(0, fb.out_cache_loc, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         starts = _row_starts(fb.extend_seq_lens_cpu)
-        # Rows without a cached prefix see only their own new tokens: the ones of equal length
-        # run as one causal product over k and v as given (no gather from the cache).
-        fresh: dict[int, list[int]] = {}
+        fresh: dict[int, list[int]] = {}  # rows without a cached prefix, by length
         one_token_rows = []  # rows adding one token after a cached prefix
+        prefixed = []  # rows adding several tokens after a cached prefix
         for i in range(fb.batch_size):
             prefix, new = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             if prefix == 0:
@@ -170,13 +180,44 @@ class TorchNativeAttnBackend(AttentionBackend):
             elif new == 1:
                 one_token_rows.append(i)
             else:
+                prefixed.append(i)
+        if self.cpp_built and q.device.type == "cpu" and q.dtype == torch.float32:
+            self._cpp_prefill(q, k, k_cache, v, v_cache, out, fb, starts,
+                              [i for rows in fresh.values() for i in rows], prefixed, scale)
+        else:
+            for i in prefixed:
                 self._extend_row(q, k_cache, v_cache, out, fb, i, starts[i], scale)
-        for new, rows in fresh.items():
-            _causal_rows(q, k, v, out, [starts[i] for i in rows], new, scale, k_cache.dtype)
+            # Rows without a cached prefix see only their own new tokens: the ones of equal
+            # length run as one causal product over k and v as given (no gather from the cache).
+            for new, rows in fresh.items():
+                _causal_rows(q, k, v, out, [starts[i] for i in rows], new, scale, k_cache.dtype)
         if one_token_rows:
             self._one_token_rows(q, k, v, k_cache, v_cache, out, one_token_rows,
                                  [starts[i] for i in one_token_rows], scale, fb)
         return out
+
+    def _cpp_prefill(self, q, k, k_cache, v, v_cache, out, fb: ForwardBatch, starts: list[int],
+                     fresh: list[int], prefixed: list[int], scale: float) -> None:
+        """The fresh rows over the step's own k/v (rounded as the cache holds them), the rows
+        with a cached prefix over their keys gathered from the cache: one operator call each."""
+        op = torch.ops.airserve.prefill_attention_cpu
+        news, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        if fresh:
+            keys, values = (k, v) if k_cache.dtype == q.dtype else (
+                k.to(k_cache.dtype).to(q.dtype), v.to(k_cache.dtype).to(q.dtype))
+            at = [starts[i] for i in fresh]
+            op(out, q, keys, values, at, at, [0] * len(fresh), [news[i] for i in fresh], scale)
+        if prefixed:
+            slots, k_starts, total = [], [], 0
+            for i in prefixed:
+                n = prefixes[i] + news[i]
+                slots.append(self.allocator.req_to_token[fb.req_pool_indices[i], :n])
+                k_starts.append(total)
+                total += n
+            index = torch.cat(slots).to(torch.int64)
+            op(out, q, k_cache.index_select(0, index).to(q.dtype),
+               v_cache.index_select(0, index).to(q.dtype), [starts[i] for i in prefixed],
+               k_starts, [prefixes[i] for i in prefixed], [news[i] for i in prefixed], scale)
 
     def _extend_row(self, q, k_cache, v_cache, out, fb: ForwardBatch, i: int, start: int,
                     scale: float) -> None:
