@@ -187,4 +187,5 @@ class PagedAllocator:
     def block_table(self, req_slots: torch.Tensor, max_blocks: int) -> torch.Tensor:
         """[len(req_slots), max_blocks] int32 page ids: the block table of those requests."""
         p = self.page_size
-        return self.req_to_token[req_slots, : max_blocks * p : p] // p
+        columns = self.req_to_token[req_slots, : max_blocks * p : p]
+        return columns if p == 1 else columns // p
