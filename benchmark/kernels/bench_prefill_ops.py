@@ -4,12 +4,16 @@ prefill chunk of 512), the default model's heads (9 over 3 KV heads of 64), 30 l
 
   attn_gather   the earlier extend attention: per prompt, K/V gathered from the paged cache by
                 advanced indexing, one SDPA call each
-  attn_batched  the torch_native backend now: prompts without a cached prefix, one causal SDPA
-                per prompt length over the new K/V as given
+  attn_batched  the torch_native backend's path without the C++ operators: prompts without a
+                cached prefix, one causal SDPA per prompt length over the new K/V as given
+  attn_cpp_ISA  the C++ operator the backend runs when built (`prefill_attention_cpu`), per
+                instruction set this CPU has (avx512, avx2, scalar); float32 like SDPA but
+                another summation order, so checked against attn_batched within 1e-5
   rope_layer    the earlier rotary: table lookup in every layer, rotate_half in 7 ops
   rope_pass     the model now: lookup once per pass, x * cos + swap_halves(x) * sin
 
-Each pair is checked bit for bit equal first; medians of interleaved repeats.
+The torch pairs are checked bit for bit equal first; medians of interleaved repeats. Prints a
+table, `--json F` writes the figures.
 
     python benchmark/kernels/bench_prefill_ops.py [--prompts 4] [--len 128] [--repeats 15]
 """
@@ -17,8 +21,10 @@ Each pair is checked bit for bit equal first; medians of interleaved repeats.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +85,27 @@ def make_forms(prompts: int, length: int) -> dict:
             return x * cos + torch.cat((x2, x1), -1) * sin
         return rot(q), rot(k)
 
-    return {"attn_gather": attn_gather, "attn_batched": attn_batched,
-            "rope_layer": rope_layer, "rope_pass": rope_pass}
+    forms = {"attn_gather": attn_gather, "attn_batched": attn_batched,
+             "rope_layer": rope_layer, "rope_pass": rope_pass}
+    from airserve.srt.layers import cpu_kernels
+    from airserve.srt.layers.attention import torch_native_backend as tnb
+
+    if cpu_kernels.available():
+        starts = [i * length for i in range(prompts)]
+
+        def attn_cpp(isa: str):
+            def run():
+                tnb.use_attention_isa(isa)
+                out = torch.empty_like(q)
+                torch.ops.airserve.prefill_attention_cpu(out, q, k, v, starts, starts,
+                                                         [0] * prompts, [length] * prompts,
+                                                         SCALE)
+                return out
+            return run
+
+        for isa in tnb.attention_isas():
+            forms[f"attn_cpp_{isa}"] = attn_cpp(isa)
+    return forms
 
 
 def main() -> None:
@@ -89,11 +114,14 @@ def main() -> None:
     p.add_argument("--len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     forms = make_forms(args.prompts, args.len)
     assert torch.equal(forms["attn_gather"](), forms["attn_batched"]())
     assert all(torch.equal(a, b) for a, b in zip(forms["rope_layer"](), forms["rope_pass"]()))
+    for name in [n for n in forms if n.startswith("attn_cpp")]:
+        assert (forms[name]() - forms["attn_batched"]()).abs().max().item() < 1e-5, name
     times: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(args.repeats):
         for name, fn in forms.items():
@@ -101,10 +129,23 @@ def main() -> None:
             for _ in range(LAYERS):
                 fn()
             times[name].append(time.perf_counter() - t)
-    print(f"{args.prompts} x {args.len} tokens, {LAYERS} layers, {args.threads} threads "
-          "(ms per pass, median / min)")
+    from airserve.srt.hardware import host_cpu
+    from airserve.srt.layers.attention import torch_native_backend as tnb
+
+    if any(n.startswith("attn_cpp") for n in forms):
+        tnb.use_attention_isa("auto")
+    cpu = host_cpu()[0]
+    print(f"{args.prompts} x {args.len} tokens, {LAYERS} layers, {args.threads} threads, {cpu}")
+    print("| form | ms per pass, median | min |")
+    print("|---|---|---|")
+    rows = {}
     for name, ts in times.items():
-        print(f"  {name:13s} {1000 * statistics.median(ts):9.1f} {1000 * min(ts):9.1f}")
+        rows[name] = {"median_ms": round(1000 * statistics.median(ts), 2),
+                      "min_ms": round(1000 * min(ts), 2)}
+        print(f"| {name} | {rows[name]['median_ms']:.1f} | {rows[name]['min_ms']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "args": vars(args), "forms": rows},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ alternating: one process, one engine, so the machine's drift between minutes hit
   norm_rope      RMSNorm and the rotary embedding of eager passes as torch ops
   argmax_rows    greedy sampling by torch's max(dim).indices
   refine_logits  bf16-rounded top logits left as they are (no float32 refinement)
-Rounds alternate the order (on/off, off/on). Prints a table and writes JSON.
+  prefill_attention  torch's SDPA for prefill attention instead of airserve's C++ operator
+                 (the decode graphs keep theirs: they were compiled with it)
+Rounds alternate the order (on/off, off/on). `--only NAME ...` switches those alone. Prints a
+table and writes JSON.
 
     python benchmark/throughput/ab_w2_eager_ops.py --rounds 4 --json ab.json
+    python benchmark/throughput/ab_w2_eager_ops.py --only prefill_attention --json ab.json
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def toggles(engine):
 
     model = engine.model_runner.model
     refine = model.refine_logits
+    backend = engine.model_runner.attn_backend
+    built = backend.cpp_built
     mlp, fused, greedy = llama.MLP.forward, norm_rope.fused_eager, sampler.greedy_tokens
 
     def torch_mlp(self, x, decode=False):
@@ -54,6 +60,8 @@ def toggles(engine):
                                lambda logits: logits.max(dim=-1).indices.tolist())),
         "refine_logits": (setter(model, "refine_logits", refine),
                           setter(model, "refine_logits", False)),
+        "prefill_attention": (setter(backend, "cpp_built", built),
+                              setter(backend, "cpp_built", False)),
     }
 
 
@@ -67,12 +75,18 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--only", nargs="+", default=None, help="switch these operators alone")
     args = p.parse_args()
     engine_args = argparse.Namespace(
         mode="compile", path="auto", num_prompts=args.num_prompts, input_len=args.input_len,
         num_threads=args.num_threads, graph_bs=[1, 2, 4, 8, 16, 32, 64], server_arg=[])
     engine = profile_w2.build_engine(engine_args)
     switches = toggles(engine)
+    if args.only:
+        unknown = sorted(set(args.only) - set(switches))
+        if unknown:
+            p.error(f"unknown operator(s) {unknown}; choose from {list(switches)}")
+        switches = {name: switches[name] for name in args.only}
     runs = []
     for r in range(args.rounds):
         for side in (("on", "off") if r % 2 == 0 else ("off", "on")):

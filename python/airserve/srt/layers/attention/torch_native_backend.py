@@ -166,8 +166,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer_id: int, scale: float, fb: ForwardBatch):
         k_cache = fb.kv_cache.k_buffers[layer_id]
         v_cache = fb.kv_cache.v_buffers[layer_id]
-        k_cache.index_copy_(0, fb.out_cache_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, fb.out_cache_loc, v.to(v_cache.dtype))
+        k_kept, v_kept = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
+        k_cache.index_copy_(0, fb.out_cache_loc, k_kept)
+        v_cache.index_copy_(0, fb.out_cache_loc, v_kept)
         out = torch.empty_like(q)
         starts = _row_starts(fb.extend_seq_lens_cpu)
         fresh: dict[int, list[int]] = {}  # rows without a cached prefix, by length
@@ -182,7 +183,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             else:
                 prefixed.append(i)
         if self.cpp_built and q.device.type == "cpu" and q.dtype == torch.float32:
-            self._cpp_prefill(q, k, k_cache, v, v_cache, out, fb, starts,
+            self._cpp_prefill(q, k_kept, k_cache, v_kept, v_cache, out, fb, starts,
                               [i for rows in fresh.values() for i in rows], prefixed, scale)
         else:
             for i in prefixed:
@@ -196,15 +197,16 @@ class TorchNativeAttnBackend(AttentionBackend):
                                  [starts[i] for i in one_token_rows], scale, fb)
         return out
 
-    def _cpp_prefill(self, q, k, k_cache, v, v_cache, out, fb: ForwardBatch, starts: list[int],
-                     fresh: list[int], prefixed: list[int], scale: float) -> None:
-        """The fresh rows over the step's own k/v (rounded as the cache holds them), the rows
-        with a cached prefix over their keys gathered from the cache: one operator call each."""
+    def _cpp_prefill(self, q, k_kept, k_cache, v_kept, v_cache, out, fb: ForwardBatch,
+                     starts: list[int], fresh: list[int], prefixed: list[int],
+                     scale: float) -> None:
+        """The fresh rows over the step's own k/v as the cache holds them (`k_kept`,
+        `v_kept`), the rows with a cached prefix over their keys gathered from the cache: one
+        operator call each."""
         op = torch.ops.airserve.prefill_attention_cpu
         news, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         if fresh:
-            keys, values = (k, v) if k_cache.dtype == q.dtype else (
-                k.to(k_cache.dtype).to(q.dtype), v.to(k_cache.dtype).to(q.dtype))
+            keys, values = k_kept.to(q.dtype), v_kept.to(q.dtype)  # no copy for a float32 cache
             at = [starts[i] for i in fresh]
             op(out, q, keys, values, at, at, [0] * len(fresh), [news[i] for i in fresh], scale)
         if prefixed:
@@ -245,7 +247,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         device = q.device
         tokens = torch.tensor(at, dtype=torch.int64, device=device)
         row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
-        block_table = self.allocator.block_table(fb.req_pool_indices[row_ids], self.max_blocks)
+        width = self.live_blocks([fb.seq_lens_cpu[i] for i in rows])
+        block_table = self.allocator.block_table(fb.req_pool_indices[row_ids], width)
         op = decode_attention_op(q, k_cache, self.cpp_built)
         o = op(q[tokens], k[tokens], v[tokens], k_cache, v_cache, fb.out_cache_loc[tokens],
                block_table, fb.seq_lens[row_ids], fb.kv_cache.page_size, scale)
