@@ -47,8 +47,8 @@ from airserve.test import few_shot_gsm8k  # noqa: E402
 
 # Name -> server flags. The first one is the reference for the answer check and the
 # Poisson rate: airserve before the prefix cache and chunked prefill. "budget" is the
-# decode-aware prefill budget (--decode-chunked-prefill-size 128, off by default); the
-# configurations without it say -1 all the same.
+# decode-aware prefill budget (--decode-chunked-prefill-size 128, "budget64" 64; off by
+# default); the configurations without it say -1 all the same.
 NO_BUDGET = ("--decode-chunked-prefill-size", "-1")
 BUDGET = ("--decode-chunked-prefill-size", "128")
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -58,6 +58,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "radix+chunked+mixed": ("--enable-mixed-chunk", *NO_BUDGET),
     "radix+chunked+budget": BUDGET,
     "radix+chunked+mixed+budget": ("--enable-mixed-chunk", *BUDGET),
+    # A smaller budget: shorter mixed steps (lower ITL tail), more of them per prompt.
+    "radix+chunked+mixed+budget64": ("--enable-mixed-chunk", "--decode-chunked-prefill-size",
+                                     "64"),
 }
 WORKLOADS = ("gsm8k", "gsp", "random", "sharegpt", "poisson")
 SCHEDULER_COUNTS = ("prefill_tokens", "mixed_steps", "prefill_budget_limited_steps",
