@@ -39,16 +39,6 @@ def op():
     return torch.ops.airserve.paged_decode_attention_cpu.default
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request):
-    op()
-    if request.param not in tnb.attention_isas():
-        pytest.skip(f"this CPU lacks {request.param}")
-    tnb.use_attention_isa(request.param)
-    yield request.param
-    tnb.use_attention_isa("auto")
-
-
 def make_case(bs, max_len, kv_heads, group, dim, page_size, seed, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, max_len + 1, (bs,), generator=g, dtype=torch.int32)

@@ -38,16 +38,6 @@ def op():
     return torch.ops.airserve.prefill_attention_cpu
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request):
-    op()
-    if request.param not in tnb.attention_isas():
-        pytest.skip(f"this CPU lacks {request.param}")
-    tnb.use_attention_isa(request.param)
-    yield request.param
-    tnb.use_attention_isa("auto")
-
-
 def reference(q, k, v, starts, lens, scale, prefixes=None, k_starts=None):
     """float64 causal attention of each prompt's new tokens over its prefix and themselves;
     rows outside stay zero."""
@@ -155,14 +145,18 @@ def test_chunked_prompt_equals_whole_bit_for_bit(isa, cuts):
 def test_backend_extend_matches_sdpa_path(monkeypatch):
     """forward_extend with the operator against the same batch through torch's SDPA path
     (cpp_built off for the fresh rows): fresh prompts of several lengths, float32 and float16
-    caches (keys rounded as the cache holds them either way)."""
+    caches (keys rounded as the cache holds them either way), and a q whose heads are not
+    contiguous (the backend hands the operator a contiguous copy)."""
     op()
     from airserve.srt.forward_batch import ForwardBatch, ForwardMode
 
     lens = [9, 64, 100, 100]
     T = sum(lens)
-    for kv_dtype in (torch.float32, torch.float16):
+    for kv_dtype, strided_q in ((torch.float32, False), (torch.float16, False),
+                                (torch.float32, True)):
         q, k, v = fused_views(T, 3, 3, 64, seed=11)
+        if strided_q:
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strides (H*D, 1, H)
         k_cache = torch.zeros(T + 8, 3, 64, dtype=kv_dtype)
         v_cache = torch.zeros_like(k_cache)
 

@@ -169,7 +169,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_kept, v_kept = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
         k_cache.index_copy_(0, fb.out_cache_loc, k_kept)
         v_cache.index_copy_(0, fb.out_cache_loc, v_kept)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous whatever q's strides
         starts = _row_starts(fb.extend_seq_lens_cpu)
         fresh: dict[int, list[int]] = {}  # rows without a cached prefix, by length
         one_token_rows = []  # rows adding one token after a cached prefix
@@ -205,8 +205,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         operator call each."""
         op = torch.ops.airserve.prefill_attention_cpu
         news, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        q = _heads_contiguous(q)
         if fresh:
-            keys, values = k_kept.to(q.dtype), v_kept.to(q.dtype)  # no copy for a float32 cache
+            # No copy for a float32 cache.
+            keys = _heads_contiguous(k_kept.to(q.dtype))
+            values = _heads_contiguous(v_kept.to(q.dtype))
             at = [starts[i] for i in fresh]
             op(out, q, keys, values, at, at, [0] * len(fresh), [news[i] for i in fresh], scale)
         if prefixed:
@@ -253,6 +256,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         o = op(q[tokens], k[tokens], v[tokens], k_cache, v_cache, fb.out_cache_loc[tokens],
                block_table, fb.seq_lens[row_ids], fb.kv_cache.page_size, scale)
         out.index_copy_(0, tokens, o.to(out.dtype))
+
+
+def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """[T, heads, D] with each token's heads contiguous (any token stride), as the prefill
+    operator reads them: the model's q/k/v views of a fused projection already are."""
+    if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]:
+        return t
+    return t.contiguous()
 
 
 def _row_starts(lens: list[int]) -> list[int]:
