@@ -19,10 +19,11 @@ fallback types (Q5_0 / Q5_1 / Q8_0) and only the 1536-wide rows in Q4_K / Q6_K: 
 prints the file's mix of types.
 
 Prints a table (ratio against llama.cpp) and writes JSON. On a shared machine run it when the
-machine is quiet; one run per configuration.
+machine is quiet. `--rounds N` runs the list N times over; each ratio is taken against
+llama.cpp's run of the same round, and a summary gives each configuration's medians.
 
     python benchmark/throughput/bench_w1.py [--configs airserve:compile llama-cpp] [--output F]
-        [--gguf-type Q4_K_M] [--gguf-dir DIR]
+        [--gguf-type Q4_K_M] [--gguf-dir DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -116,19 +117,42 @@ def run_config(config: str, job: dict, args, tmp: Path) -> dict:
     return bench_w2.run_config(config, job, args, tmp)
 
 
-def print_table(rows: list[dict], cpu: str, model: str, types: dict[str, int]) -> None:
+def llama_cpp_ratio(row: dict, rows: list[dict]) -> float | None:
+    """`row`'s decode tok/s over llama.cpp's in the same round (None without that run)."""
     ref = next((r["decode_tok_s"] for r in rows if r["config"] == "llama-cpp"
-                and "decode_tok_s" in r), None)
+                and r.get("round", 1) == row.get("round", 1) and "decode_tok_s" in r), None)
+    return row["decode_tok_s"] / ref if ref and "decode_tok_s" in row else None
+
+
+def summarize_rounds(rows: list[dict]) -> dict[str, dict]:
+    """Per configuration: its rounds, median decode tok/s and median same-round ratio."""
+    summary = {}
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config and "decode_tok_s" in r]
+        ratios = [x for x in (llama_cpp_ratio(r, rows) for r in mine) if x is not None]
+        if mine:
+            summary[config] = {
+                "rounds": len(mine),
+                "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
+                "median_ratio": statistics.median(ratios) if ratios else None,
+                "ratios": ratios}
+    return summary
+
+
+def print_table(rows: list[dict], cpu: str, model: str, types: dict[str, int]) -> None:
     print(f"\nW1 (32-token prompt, 256 greedy tokens, ignore_eos) on {cpu}")
     print(f"GGUF {model}: tensors by type {types}")
-    print("| config | decode tok/s | vs llama.cpp | TTFT 32 (ms) | total (s) | same ids as first |")
-    print("|---" * 6 + "|")
+    print("| config | round | decode tok/s | vs llama.cpp, same round | TTFT 32 (ms) | total (s) |"
+          " same ids as first |")
+    print("|---" * 7 + "|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | failed: {r['error'].splitlines()[0][:80]} ||||| ")
+            print(f"| {r['config']} | {r.get('round', 1)} | failed: "
+                  f"{r['error'].splitlines()[0][:80]} ||||| ")
             continue
-        ratio = f"{r['decode_tok_s'] / ref:.2f}x" if ref else "-"
-        print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {ratio} | {r['ttft_lone_ms']:.0f} |"
+        ratio = llama_cpp_ratio(r, rows)
+        print(f"| {r['config']} | {r.get('round', 1)} | {r['decode_tok_s']:.1f} | "
+              f"{f'{ratio:.2f}x' if ratio else '-'} | {r['ttft_lone_ms']:.0f} |"
               f" {r['wall_s']:.2f} | {r['same_ids']:.0f} |")
 
 
@@ -155,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     job["model_path"] = args.model_path
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_w1_") as tmp_name:
-        for config in args.configs:
-            print(f"== {config}", flush=True)
-            row: dict[str, Any] = {"config": config}
+        for rnd, config in ((r, c) for r in range(args.rounds) for c in args.configs):
+            print(f"== {config}" + (f" (round {rnd + 1})" if args.rounds > 1 else ""),
+                  flush=True)
+            row: dict[str, Any] = {"config": config, "round": rnd + 1}
             try:
                 row.update(run_config(config, job, args, Path(tmp_name)))
                 decode_s = row["wall_s"] - row["ttft_lone_ms"] / 1000
@@ -171,11 +196,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     model = Path(args.model_path).name
     print_table(rows, cpu, model, types)
+    summary = summarize_rounds(rows)
+    if args.rounds > 1:
+        print("\n| config | rounds | median decode tok/s | median ratio vs llama.cpp, same round |"
+              " ratios |")
+        print("|---" * 5 + "|")
+        for config, v in summary.items():
+            med = f"{v['median_ratio']:.2f}x" if v["median_ratio"] else "-"
+            print(f"| {config} | {v['rounds']} | {v['median_decode_tok_s']:.1f} | {med} | "
+                  f"{' '.join(f'{x:.2f}' for x in v['ratios'])} |")
     result = {"workload": "W1: 32-token prompt, 256 greedy new tokens, ignore_eos",
               "gguf": model, "gguf_type": args.gguf_type, "tensor_types": types, "cpu": cpu,
               "cpu_features": [f for f in bench_w2.FEATURES if f in flags],
               "threads": args.num_threads,
-              "note": "one run per configuration; shared machine unless stated",
+              "rounds": args.rounds, "summary": summary,
               "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.output}")

@@ -1,5 +1,5 @@
 """bench_w2's peak RSS: every worker process tree is sampled from outside (children included),
-so a row never comes back without the figure."""
+so a row never comes back without the figure; and the ratios of bench_w1's rounds."""
 
 from __future__ import annotations
 
@@ -77,3 +77,27 @@ def test_ratios_are_taken_within_each_round(bench_w2, capsys):
     assert summary["airserve:compile"]["median_output_tok_s"] == 350.0
     assert summary["ov-genai:fp32"]["ratios"] == [1.0, 1.0, 1.0]
     assert "| airserve:compile | 2 | 350.0 | 0.62x |" in capsys.readouterr().out
+
+
+def test_bench_w1_ratios_are_taken_within_each_round():
+    """bench_w1 --rounds: a configuration's ratio uses llama.cpp's run of its own round, and a
+    round without a llama.cpp run gives no ratio (it ignored --rounds before)."""
+    spec = importlib.util.spec_from_file_location("bench_w1_under_test",
+                                                  BENCH.with_name("bench_w1.py"))
+    bench_w1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_w1)
+    rows = [{"config": "llama-cpp", "round": 1, "decode_tok_s": 100.0},
+            {"config": "airserve:compile", "round": 1, "decode_tok_s": 120.0},
+            {"config": "llama-cpp", "round": 2, "decode_tok_s": 150.0},
+            {"config": "airserve:compile", "round": 2, "decode_tok_s": 120.0},
+            {"config": "airserve:compile", "round": 3, "decode_tok_s": 90.0},
+            {"config": "served:compile", "round": 1, "error": "boom"}]
+    assert bench_w1.llama_cpp_ratio(rows[1], rows) == 1.2
+    assert bench_w1.llama_cpp_ratio(rows[3], rows) == 0.8
+    assert bench_w1.llama_cpp_ratio(rows[4], rows) is None
+    summary = bench_w1.summarize_rounds(rows)
+    assert summary["airserve:compile"]["rounds"] == 3
+    assert summary["airserve:compile"]["median_decode_tok_s"] == 120.0
+    assert summary["airserve:compile"]["ratios"] == [1.2, 0.8]
+    assert summary["airserve:compile"]["median_ratio"] == 1.0
+    assert "served:compile" not in summary
