@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from airserve.srt.layers.attention.torch_native_backend import _causal_rows
+from airserve.srt.hardware import host_cpu
+from airserve.srt.layers import cpu_kernels
+from airserve.srt.layers.attention import torch_native_backend as tnb
 
 H, KVH, D, LAYERS, SCALE = 9, 3, 64, 30, 0.125
 
@@ -58,7 +60,7 @@ def make_forms(prompts: int, length: int) -> dict:
 
     def attn_batched():
         out = torch.empty_like(q)
-        _causal_rows(q, k, v, out, [i * length for i in range(prompts)], length, SCALE,
+        tnb._causal_rows(q, k, v, out, [i * length for i in range(prompts)], length, SCALE,
                      torch.float32)
         return out
 
@@ -87,9 +89,6 @@ def make_forms(prompts: int, length: int) -> dict:
 
     forms = {"attn_gather": attn_gather, "attn_batched": attn_batched,
              "rope_layer": rope_layer, "rope_pass": rope_pass}
-    from airserve.srt.layers import cpu_kernels
-    from airserve.srt.layers.attention import torch_native_backend as tnb
-
     if cpu_kernels.available():
         starts = [i * length for i in range(prompts)]
 
@@ -129,9 +128,6 @@ def main() -> None:
             for _ in range(LAYERS):
                 fn()
             times[name].append(time.perf_counter() - t)
-    from airserve.srt.hardware import host_cpu
-    from airserve.srt.layers.attention import torch_native_backend as tnb
-
     if any(n.startswith("attn_cpp") for n in forms):
         tnb.use_attention_isa("auto")
     cpu = host_cpu()[0]

@@ -48,6 +48,7 @@ def make_batch(prefixes: list[int], news: list[int], page_size: int, seed: int =
         [p + n for p, n in zip(prefixes, news)], torch.cat(locs),
         KVCache(pool.k_buffers, pool.v_buffers, page_size),
         extend_seq_lens_cpu=list(news), extend_prefix_lens_cpu=list(prefixes))
+    backend.init_forward_metadata(fb)  # as the model runner does before each forward
     return backend, fb, q, k, v, full_k, full_v
 
 

@@ -171,6 +171,7 @@ def test_backend_extend_matches_sdpa_path(monkeypatch):
         fb.out_cache_loc = torch.arange(1, T + 1)
         fb.kv_cache = Pool()
         backend = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
+        backend.init_forward_metadata(fb)
         backend.cpp_built = True
         got = backend.forward_extend(q, k, v, 0, 0.125, fb)
         backend.cpp_built = False

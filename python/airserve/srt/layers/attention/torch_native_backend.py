@@ -7,6 +7,8 @@ table. Cost per step follows the live context, not the padded width nor the pool
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from airserve.srt.forward_batch import ForwardBatch
@@ -163,74 +165,94 @@ class TorchNativeAttnBackend(AttentionBackend):
             fb.attn_metadata, fb.seq_lens, cache.page_size, scale,
         )
 
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode():
+            super().init_forward_metadata(fb)
+            return
+        fb.attn_metadata = self.extend_plan(fb)
+
+    def extend_plan(self, fb: ForwardBatch) -> ExtendPlan:
+        """The extend batch's row layout, which every layer shares (made once per forward)."""
+        news, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        plan = ExtendPlan(starts=_row_starts(news))
+        for i in range(fb.batch_size):
+            if prefixes[i] == 0:
+                plan.fresh.setdefault(news[i], []).append(i)
+            elif news[i] == 1:
+                plan.one_token.append(i)
+            else:
+                plan.prefixed.append(i)
+        if plan.prefixed:
+            slots, total = [], 0
+            for i in plan.prefixed:
+                n = prefixes[i] + news[i]
+                slots.append(self.allocator.req_to_token[fb.req_pool_indices[i], :n])
+                plan.prefixed_k_starts.append(total)
+                total += n
+            plan.prefixed_slots = torch.cat(slots).to(torch.int64)
+        if plan.one_token:
+            device = fb.out_cache_loc.device
+            plan.one_token_at = torch.tensor([plan.starts[i] for i in plan.one_token],
+                                             dtype=torch.int64, device=device)
+            rows = torch.tensor(plan.one_token, dtype=torch.int64, device=device)
+            width = self.live_blocks([fb.seq_lens_cpu[i] for i in plan.one_token])
+            plan.one_token_table = self.allocator.block_table(fb.req_pool_indices[rows], width)
+            plan.one_token_seq_lens = fb.seq_lens[rows]
+        return plan
+
     def forward_extend(self, q, k, v, layer_id: int, scale: float, fb: ForwardBatch):
+        plan: ExtendPlan = fb.attn_metadata
         k_cache = fb.kv_cache.k_buffers[layer_id]
         v_cache = fb.kv_cache.v_buffers[layer_id]
         k_kept, v_kept = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
         k_cache.index_copy_(0, fb.out_cache_loc, k_kept)
         v_cache.index_copy_(0, fb.out_cache_loc, v_kept)
         out = q.new_empty(q.shape)  # contiguous whatever q's strides
-        starts = _row_starts(fb.extend_seq_lens_cpu)
-        fresh: dict[int, list[int]] = {}  # rows without a cached prefix, by length
-        one_token_rows = []  # rows adding one token after a cached prefix
-        prefixed = []  # rows adding several tokens after a cached prefix
-        for i in range(fb.batch_size):
-            prefix, new = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
-            if prefix == 0:
-                fresh.setdefault(new, []).append(i)
-            elif new == 1:
-                one_token_rows.append(i)
-            else:
-                prefixed.append(i)
         if self.cpp_built and q.device.type == "cpu" and q.dtype == torch.float32:
-            self._cpp_prefill(q, k_kept, k_cache, v_kept, v_cache, out, fb, starts,
-                              [i for rows in fresh.values() for i in rows], prefixed, scale)
+            self._cpp_prefill(q, k_kept, k_cache, v_kept, v_cache, out, fb, plan, scale)
         else:
-            for i in prefixed:
-                self._extend_row(q, k_cache, v_cache, out, fb, i, starts[i], scale)
+            for j, i in enumerate(plan.prefixed):
+                self._extend_row(q, k_cache, v_cache, out, fb, plan, j, i, scale)
             # Rows without a cached prefix see only their own new tokens: the ones of equal
             # length run as one causal product over k and v as given (no gather from the cache).
-            for new, rows in fresh.items():
-                _causal_rows(q, k, v, out, [starts[i] for i in rows], new, scale, k_cache.dtype)
-        if one_token_rows:
-            self._one_token_rows(q, k, v, k_cache, v_cache, out, one_token_rows,
-                                 [starts[i] for i in one_token_rows], scale, fb)
+            for new, rows in plan.fresh.items():
+                _causal_rows(q, k, v, out, [plan.starts[i] for i in rows], new, scale,
+                             k_cache.dtype)
+        if plan.one_token:
+            self._one_token_rows(q, k, v, k_cache, v_cache, out, plan, scale, fb)
         return out
 
     def _cpp_prefill(self, q, k_kept, k_cache, v_kept, v_cache, out, fb: ForwardBatch,
-                     starts: list[int], fresh: list[int], prefixed: list[int],
-                     scale: float) -> None:
+                     plan: ExtendPlan, scale: float) -> None:
         """The fresh rows over the step's own k/v as the cache holds them (`k_kept`,
         `v_kept`), the rows with a cached prefix over their keys gathered from the cache: one
         operator call each."""
         op = torch.ops.airserve.prefill_attention_cpu
         news, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         q = _heads_contiguous(q)
+        fresh = [i for rows in plan.fresh.values() for i in rows]
         if fresh:
             # No copy for a float32 cache.
             keys = _heads_contiguous(k_kept.to(q.dtype))
             values = _heads_contiguous(v_kept.to(q.dtype))
-            at = [starts[i] for i in fresh]
+            at = [plan.starts[i] for i in fresh]
             op(out, q, keys, values, at, at, [0] * len(fresh), [news[i] for i in fresh], scale)
-        if prefixed:
-            slots, k_starts, total = [], [], 0
-            for i in prefixed:
-                n = prefixes[i] + news[i]
-                slots.append(self.allocator.req_to_token[fb.req_pool_indices[i], :n])
-                k_starts.append(total)
-                total += n
-            index = torch.cat(slots).to(torch.int64)
-            op(out, q, k_cache.index_select(0, index).to(q.dtype),
-               v_cache.index_select(0, index).to(q.dtype), [starts[i] for i in prefixed],
-               k_starts, [prefixes[i] for i in prefixed], [news[i] for i in prefixed], scale)
+        if plan.prefixed:
+            rows = plan.prefixed
+            op(out, q, k_cache.index_select(0, plan.prefixed_slots).to(q.dtype),
+               v_cache.index_select(0, plan.prefixed_slots).to(q.dtype),
+               [plan.starts[i] for i in rows], plan.prefixed_k_starts,
+               [prefixes[i] for i in rows], [news[i] for i in rows], scale)
 
-    def _extend_row(self, q, k_cache, v_cache, out, fb: ForwardBatch, i: int, start: int,
-                    scale: float) -> None:
-        """Row i's new tokens over its cached prefix and themselves (keys from the cache)."""
+    def _extend_row(self, q, k_cache, v_cache, out, fb: ForwardBatch, plan: ExtendPlan, j: int,
+                    i: int, scale: float) -> None:
+        """Row i (the plan's j-th prefixed row): its new tokens over its cached prefix and
+        themselves (keys from the cache)."""
         prefix = fb.extend_prefix_lens_cpu[i]
         new = fb.extend_seq_lens_cpu[i]
         total = prefix + new
-        slots = self.allocator.req_to_token[fb.req_pool_indices[i], :total].to(torch.int64)
+        start, first = plan.starts[i], plan.prefixed_k_starts[j]
+        slots = plan.prefixed_slots[first:first + total]
         # [1, KVH, total, D], in the queries' dtype (a bf16 cache attends in float32 on CPU)
         keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -242,20 +264,35 @@ class TorchNativeAttnBackend(AttentionBackend):
             query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + new] = o[0].transpose(0, 1)
 
-    def _one_token_rows(self, q, k, v, k_cache, v_cache, out, rows: list[int],
-                        at: list[int], scale: float, fb: ForwardBatch) -> None:
+    def _one_token_rows(self, q, k, v, k_cache, v_cache, out, plan: ExtendPlan, scale: float,
+                        fb: ForwardBatch) -> None:
         """The rows of an extend batch that add one token after a cached prefix (the decode
         rows of a mixed batch) attend in one decode call, as in a decode step, not one
-        gather + attention per row. `at[j]` is row `rows[j]`'s token in q/k/v/out."""
-        device = q.device
-        tokens = torch.tensor(at, dtype=torch.int64, device=device)
-        row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
-        width = self.live_blocks([fb.seq_lens_cpu[i] for i in rows])
-        block_table = self.allocator.block_table(fb.req_pool_indices[row_ids], width)
+        gather + attention per row."""
+        tokens = plan.one_token_at
         op = decode_attention_op(q, k_cache, self.cpp_built)
         o = op(q[tokens], k[tokens], v[tokens], k_cache, v_cache, fb.out_cache_loc[tokens],
-               block_table, fb.seq_lens[row_ids], fb.kv_cache.page_size, scale)
+               plan.one_token_table, plan.one_token_seq_lens, fb.kv_cache.page_size, scale)
         out.index_copy_(0, tokens, o.to(out.dtype))
+
+
+@dataclass
+class ExtendPlan:
+    """What every layer of one extend batch shares, made once per forward by
+    `TorchNativeAttnBackend.init_forward_metadata` (it was rebuilt in each layer): the rows by
+    kind, the prefixed rows' KV slots, the one-token rows' block table."""
+
+    starts: list[int]  # each row's first token in q/k/v/out
+    fresh: dict[int, list[int]] = field(default_factory=dict)  # no cached prefix, by length
+    prefixed: list[int] = field(default_factory=list)  # several new tokens after a prefix
+    # The prefixed rows' KV slots of positions 0..prefix + new, one row after another, and
+    # where each row's begin.
+    prefixed_slots: torch.Tensor | None = None
+    prefixed_k_starts: list[int] = field(default_factory=list)
+    one_token: list[int] = field(default_factory=list)  # one new token after a prefix
+    one_token_at: torch.Tensor | None = None  # their tokens in q/k/v/out
+    one_token_table: torch.Tensor | None = None  # their block table, as wide as they reach
+    one_token_seq_lens: torch.Tensor | None = None
 
 
 def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
