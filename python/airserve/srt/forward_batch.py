@@ -27,7 +27,7 @@ class ForwardMode(enum.IntEnum):
 class KVCache:
     """The per-layer KV tensors a forward pass reads and writes (graph inputs, never copied)."""
 
-    k_buffers: list[torch.Tensor]  # each [num_slots, kv_heads, head_dim]
+    k_buffers: list[torch.Tensor]  # each [num_slots, kv_heads, head_dim (int8: + 4, a scale)]
     v_buffers: list[torch.Tensor]
     page_size: int
 

@@ -25,7 +25,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 if TYPE_CHECKING:
     import torch
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# int8 (cpu only, an airserve extension): per (token, head) symmetric int8 rows with their
+# float32 scale, read by the C++ decode and prefill attention (mem_cache/memory_pool.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 KV_CACHE_DTYPES_REFUSED = ("fp8_e5m2", "fp8_e4m3")  # SGLang's fp8 caches: not implemented
 TORCHAIR_MODES = ("max-autotune", "npugraph_ex", "reduce-overhead")
 OPENVINO_PRECISIONS = ("f32", "bf16", "f16")
@@ -246,6 +248,10 @@ class ServerArgs:
         check_page_size(self.resolved_attention_backend, self.resolved_page_size)
         self._check_parallel()
         self._check_quantization()
+        if self.kv_cache_dtype == "int8" and (self.device != "cpu" or self.uses_openvino):
+            raise ValueError("--kv-cache-dtype int8 is implemented for --device cpu (its C++ "
+                             "attention kernels) only, not the OpenVINO runner nor "
+                             f"--device {self.device}; choose float16 or bfloat16 there")
         if self.uses_openvino and self.kv_cache_dtype not in ("auto", "float32"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented for "
                              "the OpenVINO runner (its graphs take the model's float KV pool); "
@@ -461,7 +467,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type; auto: float16 on cpu where prefill "
                         "and large batches multiply in bfloat16 (--dtype), else the model's. "
                         "float16/bfloat16 halve the cache and the bytes decode attention reads "
-                        "(cpu: still float32 arithmetic); fp8 is not implemented")
+                        "(cpu: still float32 arithmetic); int8 (cpu only) quarters it, each "
+                        "(token, head) row with its own scale; fp8 is not implemented")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
                         "and batches above --packed-decode-max-bs; w8a8_int8_outliers: the same "

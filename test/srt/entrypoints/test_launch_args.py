@@ -89,6 +89,14 @@ def test_kv_cache_dtype(capsys):
     assert "not implemented for the OpenVINO runner" in refused(
         ["--kv-cache-dtype", "bfloat16", "--enable-torch-compile", "--torch-compile-backend",
          "openvino"], capsys)
+    # int8 rows (values + scale) are read by the C++ CPU attention only.
+    assert parse_args(["--kv-cache-dtype", "int8"]).resolved_kv_cache_dtype(
+        torch.float32) == torch.int8
+    for flags in (["--device", "cuda"], ["--device", "npu"],
+                  ["--enable-torch-compile", "--torch-compile-backend", "openvino"]):
+        err = refused(["--kv-cache-dtype", "int8", *flags], capsys)
+        assert "--kv-cache-dtype int8 is implemented for --device cpu" in err, (flags, err)
+        assert "choose float16 or bfloat16" in err
 
 
 def test_bad_values_name_the_flag(capsys):

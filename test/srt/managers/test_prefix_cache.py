@@ -21,10 +21,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 LOGITS_ATOL = 1e-4
 
 
-# A bf16 KV cache too: a fresh prefill attends over its keys rounded as the cache holds them,
-# so a cache hit, a chunk or a mixed step reads the same values.
-@pytest.fixture(scope="module", params=[(1, "auto"), (4, "auto"), (4, "bfloat16")],
-                ids=["page1", "page4", "page4-kv-bf16"])
+# bf16 and int8 KV caches too: a fresh prefill attends over its keys as the cache holds them
+# (rounded, or quantized and scaled back), so a cache hit, a chunk or a mixed step reads the
+# same values.
+@pytest.fixture(scope="module", params=[(1, "auto"), (4, "auto"), (4, "bfloat16"), (4, "int8")],
+                ids=["page1", "page4", "page4-kv-bf16", "page4-kv-int8"])
 def engine(request, tiny_llama_dir):
     page, kv = request.param
     return Engine(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=8,

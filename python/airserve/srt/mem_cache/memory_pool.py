@@ -42,8 +42,42 @@ class ReqToTokenPool:
         self._free.append(slot)
 
 
+# An int8 cache row of one head: head_dim int8 values, then their float32 scale (4 bytes).
+INT8_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one head's row in a cache of `dtype` (int8 rows carry their scale)."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def kv_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, heads, D] K or V as a cache of `dtype` holds them: cast, or for int8 each head's
+    values and scale (symmetric, scale = max|x| / 127; the C++ operator the decode write uses
+    too, so every path stores the same bytes)."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    from airserve.srt.layers import cpu_kernels
+
+    if x.device.type != "cpu" or not cpu_kernels.available():
+        raise RuntimeError("--kv-cache-dtype int8 needs airserve's C++ CPU kernels on the host "
+                           "CPU (they did not build here: see the log); choose float16")
+    return torch.ops.airserve.quantize_kv_cpu(x.float())
+
+
+def kv_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., heads, width] as values of `dtype` [..., heads, D]: the inverse of
+    `kv_rows` (an int8 row's values times its scale; other caches a cast)."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    d = rows.shape[-1] - INT8_SCALE_BYTES
+    scales = rows[..., d:].contiguous().view(torch.float32)  # [..., heads, 1]
+    return rows[..., :d].to(dtype) * scales.to(dtype)
+
+
 class TokenToKVPool:
-    """Per-layer K and V tensors, allocated once: [num_pages * page_size, kv_heads, head_dim]."""
+    """Per-layer K and V tensors, allocated once: [num_pages * page_size, kv_heads, width],
+    width = head_dim (an int8 cache: head_dim + 4, each row's scale after its values)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
@@ -51,7 +85,8 @@ class TokenToKVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.dtype = dtype
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.head_dim = head_dim
+        shape = (self.num_slots, num_kv_heads, kv_row_width(head_dim, dtype))
         # Zeroed, not empty: attention reads padded positions (masked) and 0 * NaN would leak.
         zeros = _lazy_zeros if torch.device(device).type == "cpu" else torch.zeros
         self.k_buffers = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -60,7 +95,8 @@ class TokenToKVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).itemsize
+        return (2 * num_layers * num_kv_heads * kv_row_width(head_dim, dtype)
+                * torch.tensor([], dtype=dtype).itemsize)
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)

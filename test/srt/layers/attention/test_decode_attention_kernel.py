@@ -4,8 +4,10 @@ of the kernel's 4-token blocks or 64-token chunks), GQA group sizes 1/3/4/5/8 (q
 blocks of up to three), head sizes 32/48/64/128 (and 40, which the AVX-512 loops leave to
 AVX2's, and AVX2's to plain C++), pages of 1 and 16 with shuffled block tables, 1 and 2 threads
 (long rows are split over the threads and merged); float32 and bfloat16 caches (bf16 rows
-widened to float32 as read: the reference reads the same rounded values) and float16 caches
-(the same, converted)."""
+widened to float32 as read: the reference reads the same rounded values), float16 caches
+(the same, converted) and int8 caches (each head row's int8 values times its scale: the
+reference reads the same dequantized values, and the new rows are written as `kv_rows`
+quantizes them)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.attention import torch_native_backend as tnb
+from airserve.srt.mem_cache.memory_pool import kv_rows, kv_values
 
 # float32 kernel vs float64 reference: outputs are softmax averages of N(0, 1) values, so an
 # absolute bound; the kernel's own error measured here is ~5e-7.
@@ -45,8 +48,8 @@ def make_case(bs, max_len, kv_heads, group, dim, page_size, seed, kv_dtype=torch
     lens[0] = max_len
     width = -(-max_len // page_size) + 1  # one padding block past the longest row
     pages = bs * width + 2
-    k_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g).to(kv_dtype)
-    v_cache = torch.randn(pages * page_size, kv_heads, dim, generator=g).to(kv_dtype)
+    k_cache = kv_rows(torch.randn(pages * page_size, kv_heads, dim, generator=g), kv_dtype)
+    v_cache = kv_rows(torch.randn(pages * page_size, kv_heads, dim, generator=g), kv_dtype)
     # Shuffled distinct pages (never page 0); the padding past each row is page 0.
     table = (torch.randperm(pages - 1, generator=g)[:bs * width] + 1).to(torch.int32)
     table = table.view(bs, width)
@@ -67,23 +70,24 @@ def reference(q, k_cache, v_cache, table, lens, page_size, scale):
     for b in range(q.shape[0]):
         pos = torch.arange(int(lens[b]))
         slots = table[b, pos // page_size].long() * page_size + pos % page_size
-        keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
-        values = v_cache[slots].double().repeat_interleave(group, dim=1)
+        # [n, H, D]: the values the cache holds (an int8 row's values times its scale)
+        keys = kv_values(k_cache[slots], torch.float64).repeat_interleave(group, dim=1)
+        values = kv_values(v_cache[slots], torch.float64).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale
         outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8],
+                         ids=["f32", "bf16", "f16", "int8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "bs{}-L{}-kvh{}-g{}-d{}-p{}-t{}".format(*c))
 def test_matches_float64_reference_and_writes_only_out_cache_loc(isa, case, kv_dtype):
     bs, max_len, kv_heads, group, dim, page_size, threads = case
     q, k, v, k_cache, v_cache, loc, table, lens = make_case(
         bs, max_len, kv_heads, group, dim, page_size, seed=sum(case), kv_dtype=kv_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    # Written as torch converts (bf16: round to nearest even).
-    expected_k[loc], expected_v[loc] = k.to(kv_dtype), v.to(kv_dtype)
+    # Written as torch converts (bf16: round to nearest even), int8 as kv_rows quantizes.
+    expected_k[loc], expected_v[loc] = kv_rows(k, kv_dtype), kv_rows(v, kv_dtype)
     scale = dim ** -0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

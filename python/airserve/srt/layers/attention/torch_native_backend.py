@@ -13,6 +13,7 @@ import torch
 
 from airserve.srt.forward_batch import ForwardBatch
 from airserve.srt.layers.attention.base import AttentionBackend
+from airserve.srt.mem_cache.memory_pool import kv_rows, kv_values
 
 # A plain Library op, not `torch.library.custom_op`: the latter's Python dispatch layers cost
 # ~60 us a call here (measured, inference mode, 2 threads), once per layer per decode step.
@@ -36,8 +37,8 @@ def paged_decode_attention_kernel(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, out_cache_loc, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, out_cache_loc, v.to(v_cache.dtype))
+    k_cache.index_copy_(0, out_cache_loc, kv_rows(k, k_cache.dtype))
+    v_cache.index_copy_(0, out_cache_loc, kv_rows(v, v_cache.dtype))
     bs, num_heads, head_dim = q.shape
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing:
@@ -51,8 +52,8 @@ def paged_decode_attention_kernel(
     shape = (bs, live) + k_cache.shape[1:]
     # The cache's values in the queries' dtype: a bf16 cache under float32 queries (CPU)
     # attends in float32, as the C++ operator does.
-    keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
-    values = v_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
+    keys = kv_values(k_cache.index_select(0, slots).view(shape), q.dtype).transpose(1, 2)
+    values = kv_values(v_cache.index_select(0, slots).view(shape), q.dtype).transpose(1, 2)
     mask = None
     if bs > 1 or capturing:  # else all `live` positions of the one row are its own
         positions = torch.arange(live, device=q.device)
@@ -101,14 +102,24 @@ _lib.define(
 )
 
 
+# Each head of K/V as an int8 cache holds it (csrc/decode_attention.cpp, quantize_head):
+# [T, KVH, D] float32 -> [T, KVH, D + 4] int8, the values then their float32 scale.
+_lib.define("quantize_kv_cpu(Tensor x) -> Tensor")
+
+
+@torch.library.register_fake("airserve::quantize_kv_cpu")
+def _(x):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] + 4,), dtype=torch.int8)
+
+
 # KV cache dtypes the C++ decode operator reads (its queries and arithmetic are float32).
-CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def cpp_decode_runs(device_type: str, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                     cpp_built: bool) -> bool:
     """Whether decode attention takes the C++ operator: built, on the host CPU, float32
-    queries over a float32, bf16 or f16 cache."""
+    queries over a float32, bf16, f16 or int8 cache."""
     return (cpp_built and device_type == "cpu" and q_dtype == torch.float32
             and kv_dtype in CPP_KV_DTYPES)
 
@@ -204,7 +215,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         plan: ExtendPlan = fb.attn_metadata
         k_cache = fb.kv_cache.k_buffers[layer_id]
         v_cache = fb.kv_cache.v_buffers[layer_id]
-        k_kept, v_kept = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
+        # As the cache holds them (an int8 cache: values and scales).
+        k_kept, v_kept = kv_rows(k, k_cache.dtype), kv_rows(v, v_cache.dtype)
         k_cache.index_copy_(0, fb.out_cache_loc, k_kept)
         v_cache.index_copy_(0, fb.out_cache_loc, v_kept)
         out = q.new_empty(q.shape)  # contiguous whatever q's strides
@@ -216,8 +228,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             # Rows without a cached prefix see only their own new tokens: the ones of equal
             # length run as one causal product over k and v as given (no gather from the cache).
             for new, rows in plan.fresh.items():
-                _causal_rows(q, k, v, out, [plan.starts[i] for i in rows], new, scale,
-                             k_cache.dtype)
+                _causal_rows(q, k_kept, v_kept, out, [plan.starts[i] for i in rows], new, scale)
         if plan.one_token:
             self._one_token_rows(q, k, v, k_cache, v_cache, out, plan, scale, fb)
         return out
@@ -233,14 +244,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         fresh = [i for rows in plan.fresh.values() for i in rows]
         if fresh:
             # No copy for a float32 cache.
-            keys = _heads_contiguous(k_kept.to(q.dtype))
-            values = _heads_contiguous(v_kept.to(q.dtype))
+            keys = _heads_contiguous(kv_values(k_kept, q.dtype))
+            values = _heads_contiguous(kv_values(v_kept, q.dtype))
             at = [plan.starts[i] for i in fresh]
             op(out, q, keys, values, at, at, [0] * len(fresh), [news[i] for i in fresh], scale)
         if plan.prefixed:
             rows = plan.prefixed
-            op(out, q, k_cache.index_select(0, plan.prefixed_slots).to(q.dtype),
-               v_cache.index_select(0, plan.prefixed_slots).to(q.dtype),
+            op(out, q, kv_values(k_cache.index_select(0, plan.prefixed_slots), q.dtype),
+               kv_values(v_cache.index_select(0, plan.prefixed_slots), q.dtype),
                [plan.starts[i] for i in rows], plan.prefixed_k_starts,
                [prefixes[i] for i in rows], [news[i] for i in rows], scale)
 
@@ -254,8 +265,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         start, first = plan.starts[i], plan.prefixed_k_starts[j]
         slots = plan.prefixed_slots[first:first + total]
         # [1, KVH, total, D], in the queries' dtype (a bf16 cache attends in float32 on CPU)
-        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        keys = kv_values(k_cache.index_select(0, slots), q.dtype).transpose(0, 1).unsqueeze(0)
+        values = kv_values(v_cache.index_select(0, slots), q.dtype).transpose(0, 1).unsqueeze(0)
         query = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
         # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
         rows = torch.arange(new, device=q.device)[:, None] + prefix
@@ -311,10 +322,10 @@ def _row_starts(lens: list[int]) -> list[int]:
     return starts
 
 
-def _causal_rows(q, k, v, out, starts: list[int], new: int, scale: float,
-                 kv_dtype: torch.dtype) -> None:
-    """Causal attention of rows of `new` tokens each (token offsets `starts` in q/k/v) over
-    their own tokens only, as one batched product; written into `out`."""
+def _causal_rows(q, k_kept, v_kept, out, starts: list[int], new: int, scale: float) -> None:
+    """Causal attention of rows of `new` tokens each (token offsets `starts` in q and in the
+    step's K/V as the cache holds them) over their own tokens only, as one batched product;
+    written into `out`."""
     def gather(t: torch.Tensor) -> torch.Tensor:  # [T, heads, D] -> [rows, heads, new, D]
         if len(starts) == 1:
             part = t[starts[0]:starts[0] + new].unsqueeze(0)
@@ -326,8 +337,8 @@ def _causal_rows(q, k, v, out, starts: list[int], new: int, scale: float,
 
     # The keys as the cache holds them (rounded to its dtype), as the gathered path reads them,
     # in the queries' dtype.
-    keys = gather(k.to(kv_dtype).to(q.dtype))
-    values = gather(v.to(kv_dtype).to(q.dtype))
+    keys = gather(kv_values(k_kept, q.dtype))
+    values = gather(kv_values(v_kept, q.dtype))
     o = torch.nn.functional.scaled_dot_product_attention(
         gather(q), keys, values, is_causal=True, scale=scale, enable_gqa=True)
     o = o.transpose(1, 2)  # [rows, new, H, D]

@@ -1,6 +1,13 @@
 // Paged decode attention on the host CPU: one new token per sequence, float32 queries and
-// arithmetic over a float32, bfloat16 or float16 KV cache (16-bit rows are widened to float32 as
-// they are read: half the bytes of the memory-bound part, the same arithmetic).
+// arithmetic over a float32, bfloat16, float16 or int8 KV cache (16-bit rows are widened to
+// float32 as they are read: half the bytes of the memory-bound part, the same arithmetic).
+//
+// An int8 cache row of one head is D int8 values and, after them, the float32 scale of that
+// (token, head): value = q * scale, symmetric, scale = max|x| / 127 (`quantize_head`). Scores
+// are the int8 rows' dot products times the key's scale; the softmax weights are multiplied by
+// each value row's scale before the weighted sum. A quarter of a float32 cache's bytes (plus 4
+// per row) where decode attention's time is its memory reads; OpenVINO's CPU plugin keeps its
+// cache in 8 bits by default for the same reason.
 //
 // Writes the new token's K/V into the pool at out_cache_loc, then attends each query over the
 // first seq_lens[b] positions of its block table (the padded tail is never read).
@@ -35,6 +42,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "isa_select.h"
@@ -61,6 +69,33 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 using bf16_t = uint16_t;
 using f16_t = c10::Half;
 
+// Bytes after an int8 head row: its float32 scale.
+constexpr int64_t kInt8ScaleBytes = 4;
+template <typename T>
+constexpr int64_t head_extra() { return std::is_same<T, int8_t>::value ? kInt8ScaleBytes : 0; }
+
+// The scale stored after an int8 head row of D values.
+inline float row_scale(const int8_t* head_row, int64_t dim) {
+  float s;
+  std::memcpy(&s, head_row + dim, sizeof s);
+  return s;
+}
+
+// x[0..D) as int8 values and their scale at dst[D..D+4): symmetric, scale = max|x| / 127,
+// rounded to nearest even (a row of zeros gets scale 0). The one definition of the cache's
+// int8 rows: the decode write, quantize_kv_cpu (prefill's write) and the tests use it.
+inline void quantize_head(const float* x, int64_t dim, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float r = std::nearbyint(x[d] * inv);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  std::memcpy(dst + dim, &scale, sizeof scale);
+}
+
 inline float widen(float x) { return x; }
 inline float widen(bf16_t x) {
   const uint32_t bits = uint32_t(x) << 16;
@@ -70,6 +105,7 @@ inline float widen(bf16_t x) {
 }
 
 inline float widen(f16_t x) { return static_cast<float>(x); }
+inline float widen(int8_t x) { return static_cast<float>(x); }  // times the row's scale, later
 
 inline void narrow(float x, float* to) { *to = x; }
 // Round to nearest even, as torch's float -> float16 conversion does (c10's own conversion).
@@ -81,18 +117,20 @@ inline void narrow(float x, bf16_t* to) {
   *to = std::isnan(x) ? bf16_t(0x7fc0) : bf16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// What one sequence reads: all its KV heads. Rows are `row` elements apart in the pool.
+// What one sequence reads: all its KV heads. Rows are `row` elements apart in the pool, heads
+// `hstride` apart within a row (dim, plus an int8 row's scale).
 template <typename T>
 struct Segment {
   const float* q;  // [KVH * group, D], already multiplied by the scale
   const T* kc;     // pool base (+ head offset in a one-head view)
   const T* vc;
   const int32_t* table;  // this sequence's block table
-  int64_t page_size, row, group, dim;
+  int64_t page_size, row, group, dim, hstride;
 
   // The view of KV head h alone.
   Segment head(int64_t h) const {
-    return {q + h * group * dim, kc + h * dim, vc + h * dim, table, page_size, row, group, dim};
+    return {q + h * group * dim, kc + h * hstride, vc + h * hstride, table, page_size, row,
+            group, dim, hstride};
   }
 };
 
@@ -131,7 +169,7 @@ struct Ahead {
 template <typename T>
 inline void prefetch_head(const T* p, int64_t dim) {
   const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = dim * int64_t(sizeof(T));
+  const int64_t bytes = dim * int64_t(sizeof(T)) + head_extra<T>();
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
   __builtin_prefetch(c + bytes - 1, 0, 2);
 }
@@ -215,6 +253,12 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
   else
 #endif
     chunk_scores_portable(s, off, n, sc);
+  float row_scales[kChunk];
+  if constexpr (std::is_same<T, int8_t>::value) {
+    for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale(s.kc + off[j], s.dim);
+    for (int64_t g = 0; g < s.group; ++g)
+      for (int64_t j = 0; j < n; ++j) sc[g * kChunk + j] *= row_scales[j];
+  }
   for (int64_t g = 0; g < s.group; ++g) {
     float* p = sc + g * kChunk;
     const float mx = std::max(acc.m[g], *std::max_element(p, p + n));
@@ -230,6 +274,12 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
     acc.m[g] = mx;
     if (correction != 1.f)
       for (int64_t d = 0; d < s.dim; ++d) acc.o[g * s.dim + d] *= correction;
+  }
+  if constexpr (std::is_same<T, int8_t>::value) {
+    // The weights (their sum is counted above) times each value row's scale.
+    for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale(s.vc + off[j], s.dim);
+    for (int64_t g = 0; g < s.group; ++g)
+      for (int64_t j = 0; j < n; ++j) sc[g * kChunk + j] *= row_scales[j];
   }
 #ifdef AIRSERVE_ATTN_AVX2
   if (isa == kAvx512) attn_avx512::chunk_values(s, off, n, sc, acc.o, ahead);
@@ -317,8 +367,10 @@ struct Call {
   int isa;
 
   int64_t heads() const { return kvh * group; }
+  int64_t hstride() const { return dim + head_extra<T>(); }
   Segment<T> segment(int64_t b) const {
-    return {qs + b * heads() * dim, kc, vc, table + b * width, page_size, kvh * dim, group, dim};
+    return {qs + b * heads() * dim, kc, vc, table + b * width, page_size, kvh * hstride(), group,
+            dim, hstride()};
   }
   float* out_of(int64_t b) const { return out + b * heads() * dim; }
   int64_t state_size() const { return heads() * (dim + 2); }
@@ -447,11 +499,20 @@ void attend_all(const float* qs, const float* kp, const float* vp, at::Tensor& k
   T* kc = static_cast<T*>(k_cache.data_ptr());
   T* vc = static_cast<T*>(v_cache.data_ptr());
   const int64_t row = kvh * dim;
-  for (int64_t b = 0; b < bs; ++b)
-    for (int64_t i = 0; i < row; ++i) {
-      narrow(kp[b * row + i], kc + locp[b] * row + i);
-      narrow(vp[b * row + i], vc + locp[b] * row + i);
-    }
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const int64_t hs = dim + kInt8ScaleBytes;
+    for (int64_t b = 0; b < bs; ++b)
+      for (int64_t h = 0; h < kvh; ++h) {
+        quantize_head(kp + b * row + h * dim, dim, kc + (locp[b] * kvh + h) * hs);
+        quantize_head(vp + b * row + h * dim, dim, vc + (locp[b] * kvh + h) * hs);
+      }
+  } else {
+    for (int64_t b = 0; b < bs; ++b)
+      for (int64_t i = 0; i < row; ++i) {
+        narrow(kp[b * row + i], kc + locp[b] * row + i);
+        narrow(vp[b * row + i], vc + locp[b] * row + i);
+      }
+  }
   const Call<T> call{qs, kc, vc, tp, lp, op, width, page_size, kvh, group, dim, isa};
   run(call, bs, pieces);
 }
@@ -472,9 +533,9 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const at::ScalarType kv_type = k_cache.scalar_type();
   TORCH_CHECK(q_in.scalar_type() == at::kFloat &&
                   (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
-                   kv_type == at::kHalf) &&
+                   kv_type == at::kHalf || kv_type == at::kChar) &&
                   v_cache.scalar_type() == kv_type,
-              name, ": float32 queries, and a float32, bfloat16 or float16 KV cache");
+              name, ": float32 queries, and a float32, bfloat16, float16 or int8 KV cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   v_cache.sizes() == k_cache.sizes(),
               name, ": the KV buffers must be contiguous [num_slots, KVH, D]");
@@ -490,7 +551,10 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const int64_t bs = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
   const int64_t KVH = k_cache.size(1), slots = k_cache.size(0);
   const int64_t width = block_table_in.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, name, ": head shapes do not match");
+  const int64_t extra = kv_type == at::kChar ? kInt8ScaleBytes : 0;
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D + extra, name,
+              ": head shapes do not match (an int8 cache's rows are D + 4 bytes: the values, "
+              "then their float32 scale)");
   TORCH_CHECK(out_cache_loc.numel() == bs && seq_lens_in.numel() == bs &&
                   block_table_in.size(0) == bs && k_in.numel() == bs * KVH * D &&
                   v_in.numel() == bs * KVH * D,
@@ -526,10 +590,28 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   } else if (kv_type == at::kBFloat16) {
     attend_all<bf16_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
                        page_size, KVH, group, D, isa, pieces);
-  } else {
+  } else if (kv_type == at::kHalf) {
     attend_all<f16_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
                       page_size, KVH, group, D, isa, pieces);
+  } else {
+    attend_all<int8_t>(qs.data(), kp, vp, k_cache, v_cache, locp, tp, lp, op, bs, width,
+                       page_size, KVH, group, D, isa, pieces);
   }
+  return out;
+}
+
+// [T, KVH, D] float32 -> [T, KVH, D + 4] int8: each head's values and scale as the int8 cache
+// holds them (quantize_head), for prefill's write into the pool.
+at::Tensor quantize_kv_cpu(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 3, "airserve::quantize_kv_cpu: x must be [T, KVH, D]");
+  at::Tensor keep;
+  const float* x = typed<float>(x_in, at::kFloat, keep);
+  const int64_t T = x_in.size(0), KVH = x_in.size(1), D = x_in.size(2);
+  at::Tensor out = at::empty({T, KVH, D + kInt8ScaleBytes}, x_in.options().dtype(at::kChar));
+  int8_t* o = out.data_ptr<int8_t>();
+  at::parallel_for(0, T * KVH, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_head(x + i * D, D, o + i * (D + kInt8ScaleBytes));
+  });
   return out;
 }
 
@@ -735,6 +817,7 @@ void prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("paged_decode_attention_cpu", &paged_decode_attention_cpu);
   lib.impl("prefill_attention_cpu", &prefill_attention_cpu);
+  lib.impl("quantize_kv_cpu", &quantize_kv_cpu);
 }
 
 TORCH_LIBRARY_FRAGMENT(airserve_isa, lib) {

@@ -1,7 +1,7 @@
-"""--kv-cache-dtype bfloat16 and float16 on CPU: the pool holds 16-bit values, decode reads them
-through the C++ operator (float32 arithmetic) in eager steps and in the CPU graph runner's
-buckets alike, and the buckets match eager on the same cache; a float32 cache gives different
-(close) logits."""
+"""--kv-cache-dtype bfloat16, float16 and int8 on CPU: the pool holds 16-bit values (or int8 rows
+with their scales), decode reads them through the C++ operator (float32 arithmetic) in eager
+steps and in the CPU graph runner's buckets alike, and the buckets match eager on the same
+cache; a float32 cache gives different (close) logits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ATOL = 1e-4
 BUCKETS = (1, 4)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+@pytest.fixture(scope="module", params=["bfloat16", "float16", "int8"])
 def runners(tiny_llama_dir, request):
     if not cpu_kernels.available():
         pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
@@ -37,18 +37,22 @@ def decode_ops(fn) -> set[str]:
     return {e.name for e in prof.events()}
 
 
-def test_pool_is_16_bit_and_half_the_bytes(runners):
+def test_pool_dtype_and_bytes(runners):
     graph, eager, float32 = runners
     kv = eager.kv_dtype
-    assert kv in (torch.bfloat16, torch.float16)
+    assert kv in (torch.bfloat16, torch.float16, torch.int8)
     assert all(b.dtype == kv for b in eager.kv_pool.k_buffers + eager.kv_pool.v_buffers)
     assert eager.kernels_report()["kv_cache_dtype"] == str(kv).removeprefix("torch.")
     assert eager.kernels_report()["cpp_decode_attention"]
-    assert 2 * eager.kv_pool.memory_bytes() == float32.kv_pool.memory_bytes()
+    head_dim = eager.kv_pool.head_dim
+    # Half a float32 cache's bytes, or for int8 a quarter plus each row's 4-byte scale.
+    per_row = 2 * head_dim if kv != torch.int8 else head_dim + 4
+    assert (eager.kv_pool.memory_bytes() * 4 * head_dim
+            == float32.kv_pool.memory_bytes() * per_row)
 
 
 @pytest.mark.parametrize("bs", [1, 3, 4])
-def test_buckets_match_eager_on_a_16_bit_cache(runners, bs):
+def test_buckets_match_eager_on_the_same_cache(runners, bs):
     graph, eager, _ = runners
     te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
     assert not graph.fallback_counts
