@@ -36,6 +36,7 @@ import time
 import torch
 
 from airserve.srt.hardware import host_cpu
+from airserve.srt.mem_cache.memory_pool import kv_rows
 
 SOURCE = "python/airserve/srt/layers/csrc/decode_attention.cpp"
 CSRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", os.path.dirname(SOURCE)))
@@ -118,8 +119,8 @@ def make_args(bs: int, length: int, heads=9, kv_heads=3, dim=64,
     """One decode call's arguments: every row `length` tokens long (the new one included)."""
     g = torch.Generator().manual_seed(0)
     slots = bs * length + 1
-    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(kv_dtype)
-    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(kv_dtype)
+    k_cache = kv_rows(torch.randn(slots, kv_heads, dim, generator=g), kv_dtype)
+    v_cache = kv_rows(torch.randn(slots, kv_heads, dim, generator=g), kv_dtype)
     table = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32).view(bs, length)
     loc = table[:, -1].to(torch.int64)
     lens = torch.full((bs,), length, dtype=torch.int32)
@@ -162,7 +163,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.5, help="per configuration")
     p.add_argument("--layers", type=int, default=1,
                    help="caches per call, each its own (a step over this many layers)")
-    p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8"))
     p.add_argument("--json", default=None)
     a = p.parse_args()
     ops = {name: resolve(name) for name in a.ops}
