@@ -393,7 +393,7 @@ def main() -> None:
                         "server's)")
     p.add_argument("--seq-len", type=int, default=250, help="tokens per sequence (--paths)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=None,
-                   choices=("bfloat16", "float16"),
+                   choices=("bfloat16", "float16", "int8"),
                    help="check these KV cache element types instead")
     a = p.parse_args()
     if a.threads:
