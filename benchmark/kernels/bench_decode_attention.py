@@ -163,7 +163,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.5, help="per configuration")
     p.add_argument("--layers", type=int, default=1,
                    help="caches per call, each its own (a step over this many layers)")
-    p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8"))
+    p.add_argument("--kv-dtype", default="float32",
+                   choices=("float32", "bfloat16", "float16", "int8"))
     p.add_argument("--json", default=None)
     a = p.parse_args()
     ops = {name: resolve(name) for name in a.ops}

@@ -64,6 +64,9 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "kv-float32": {"kv_cache_dtype": "float32"},
     "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
     "kv-float16": {"kv_cache_dtype": "float16"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
+    # Nor this: KV pages of 16 slots (cpu default 1), so a request's decode tokens sit together.
+    "page16": {"page_size": 16},
 }
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-genai:fp32",
                    "ov-genai:int8"]
