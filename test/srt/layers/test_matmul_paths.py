@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from airserve.srt.hardware import host_cpu
+from airserve.srt.layers import cpu_kernels
 from airserve.srt.layers.linear import Linear, matmul_path_report
 from airserve.srt.layers.quant import block_matvec, matmul_paths
 from airserve.srt.layers.quant.matmul_paths import FIDELITY, choose_large_path
@@ -152,11 +153,38 @@ def test_bf16_residual_channels_against_float64():
     torch.testing.assert_close(residual(x), by_hand, atol=1e-5, rtol=1e-6)
     err_plain, err_res = relative_error(plain(x), ref), relative_error(residual(x), ref)
     assert 1e-6 < err_res < min(err_plain, TOLERANCE["bfloat16"]), (err_res, err_plain)
-    # The compiled form calls the same operator through its handle.
+    # The compiled form calls the same operator through its handle (the C++ one where built).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         residual(x)
     ops = {e.name for e in prof.events()}
-    assert "airserve::bf16_linear" in ops, sorted(ops)
+    name = "airserve::bf16_linear_cpp" if cpu_kernels.available() else "airserve::bf16_linear"
+    assert name in ops, sorted(ops)
+
+
+@pytest.mark.parametrize("channels", [None, torch.tensor([2, 9, 40])], ids=["plain", "residual"])
+def test_cpp_bf16_product_equals_the_python_one_and_is_released(channels):
+    """bf16_linear_cpp (no Python on the call) gives the Python operator's bits, keeps bf16
+    when asked (float32 where residual channels are added), and forgets a weight once its
+    Bf16Weight is gone, with an error naming the handle."""
+    if not cpu_kernels.available():
+        pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
+    torch.manual_seed(3)
+    w = matmul_paths.pack_bf16(torch.randn(96, 64), channels=channels)
+    assert w.in_cpp
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 64)
+        python = torch.ops.airserve.bf16_linear(x, w.handle)
+        assert torch.equal(torch.ops.airserve.bf16_linear_cpp(x, w.handle, False), python)
+        kept = matmul_paths.bf16_linear(x, w.handle, keep_bf16=True)
+        assert kept.dtype == (torch.bfloat16 if channels is None else torch.float32)
+        assert torch.equal(kept.float(), python)
+    handle = w.handle
+    del w
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no bf16 weight {handle}"):
+        torch.ops.airserve.bf16_linear_cpp(torch.randn(2, 64), handle, False)
 
 
 def test_loader_gives_down_proj_residual_channels(tmp_path):

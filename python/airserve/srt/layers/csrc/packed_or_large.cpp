@@ -7,7 +7,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -38,12 +40,73 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
   return f32_op.call(x, kind, qs, d, m);
 }
 
+// ---- The bfloat16 path's product, without a trip through Python ----
+//
+// quant/matmul_paths.py registers each bf16 weight here as it packs it (and releases it when
+// its Bf16Weight goes), so that this operator, and the large side of packed_or_large, multiply
+// in C++: its Python operator cost ~tens of microseconds a call, ~120 calls a decode step.
+struct Bf16Weight {
+  at::Tensor packed;  // bf16 [N, K]: oneDNN's opaque blocked tensor when `onednn`
+  bool onednn;
+  OptTensor channels;  // int64 [k]: input channels whose bf16 rounding error is added back
+  OptTensor residual;  // float32 [k, N]: the weight's columns there
+};
+
+std::mutex g_bf16_mutex;
+std::unordered_map<int64_t, Bf16Weight>& bf16_weights() {
+  static std::unordered_map<int64_t, Bf16Weight> weights;
+  return weights;
+}
+
+void bf16_weight_register(int64_t handle, const at::Tensor& packed, bool onednn,
+                          const OptTensor& channels, const OptTensor& residual) {
+  std::lock_guard<std::mutex> lock(g_bf16_mutex);
+  bf16_weights()[handle] = Bf16Weight{packed, onednn, channels, residual};
+}
+
+void bf16_weight_release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_bf16_mutex);
+  bf16_weights().erase(handle);
+}
+
+Bf16Weight bf16_weight(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_bf16_mutex);
+  const auto it = bf16_weights().find(handle);
+  TORCH_CHECK(it != bf16_weights().end(), "airserve::bf16_linear_cpp: no bf16 weight ",
+              handle, " (released, or packed before the C++ kernels loaded)");
+  return it->second;
+}
+
+using LinearPointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                     c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                     std::optional<c10::string_view>);
+
+// x float32 [M, K] -> float32 [M, N]; keep_bf16: oneDNN's bf16 product as written, unless the
+// weight adds float32 residual channels. The same operations as matmul_paths._bf16_product.
+at::Tensor bf16_linear_cpp(const at::Tensor& x, int64_t handle, bool keep_bf16) {
+  const Bf16Weight w = bf16_weight(handle);
+  const at::Tensor xb = x.to(at::kBFloat16);
+  at::Tensor out;
+  if (w.onednn) {
+    static const auto op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<LinearPointwiseFn>();
+    out = op.call(xb, w.packed, c10::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                  c10::string_view(""));
+  } else {
+    out = at::linear(xb, w.packed);
+  }
+  if (!w.channels.has_value()) return keep_bf16 ? out : out.to(at::kFloat);
+  out = out.to(at::kFloat);
+  const at::Tensor xs = x.index_select(1, *w.channels);
+  return out.addmm_(xs - xs.to(at::kBFloat16).to(at::kFloat), *w.residual);
+}
+
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
                  const OptTensor& weight) {
-  if (path == "onednn" || path == "int8" || path == "bf16") {
-    const char* name = path == "onednn" ? "airserve::onednn_linear"
-                       : path == "int8" ? "airserve::w8a8_linear"
-                                        : "airserve::bf16_linear";
+  if (path == "bf16") return bf16_linear_cpp(x, handle, false).to(x.scalar_type());
+  if (path == "onednn" || path == "int8") {
+    const char* name = path == "onednn" ? "airserve::onednn_linear" : "airserve::w8a8_linear";
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<HandleFn>();
     return op.call(x, handle).to(x.scalar_type());
   }
@@ -93,7 +156,14 @@ at::Tensor packed_or_large_1(const at::Tensor& x, int64_t max_rows, const std::s
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(airserve_bf16, lib) {
+  lib.def("register_weight(int handle, Tensor packed, bool onednn, Tensor? channels, "
+          "Tensor? residual) -> ()", &bf16_weight_register);
+  lib.def("release_weight(int handle) -> ()", &bf16_weight_release);
+}
+
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
+  lib.impl("bf16_linear_cpp", &bf16_linear_cpp);
   lib.impl("packed_or_large", &packed_or_large);
   lib.impl("packed_or_large_1", &packed_or_large_1);
 }

@@ -229,6 +229,7 @@ class Bf16Weight:
     handle: int = -1
     channels: torch.Tensor | None = None  # int64 [k], sorted input channels
     residual_weight: torch.Tensor | None = None  # float32 [k, N]: the weight's columns there
+    in_cpp: bool = False  # registered with the C++ product (bf16_linear_cpp)
 
     def dense(self) -> torch.Tensor:
         """The plain bf16 [N, K] weight."""
@@ -270,6 +271,30 @@ def _bf16_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _BF16_WEIGHTS[handle].out_features)
 
 
+# The same product in C++ (csrc/packed_or_large.cpp) over the weight registered there by
+# `pack_bf16`: no Python on the call, which the ~120 products of a decode step pay otherwise.
+_lib.define("bf16_linear_cpp(Tensor x, int handle, bool keep_bf16) -> Tensor")
+
+
+@torch.library.register_fake("airserve::bf16_linear_cpp")
+def _bf16_linear_cpp_fake(x: torch.Tensor, handle: int, keep_bf16: bool) -> torch.Tensor:
+    w = _BF16_WEIGHTS[handle]
+    dtype = torch.bfloat16 if keep_bf16 and w.channels is None else torch.float32
+    return x.new_empty(x.shape[0], w.out_features, dtype=dtype)
+
+
+def _register_in_cpp(weight: Bf16Weight) -> bool:
+    """Hand `weight` to the C++ product (released with `weight`); False without the kernels."""
+    from airserve.srt.layers import cpu_kernels
+
+    if not cpu_kernels.available():
+        return False
+    torch.ops.airserve_bf16.register_weight(weight.handle, weight.packed, weight.onednn,
+                                            weight.channels, weight.residual_weight)
+    weakref.finalize(weight, torch.ops.airserve_bf16.release_weight, weight.handle)
+    return True
+
+
 def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
               batch_hint: int = ONEDNN_BATCH_HINT) -> Bf16Weight:
     """The bfloat16 path's weight of float32 [N, K] `weight` (with float32 residual columns at
@@ -285,6 +310,7 @@ def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
     weight_bf16 = Bf16Weight(packed, w.shape[0], w.shape[1], onednn, next(_handles), channels,
                              residual)
     _BF16_WEIGHTS[weight_bf16.handle] = weight_bf16
+    weight_bf16.in_cpp = _register_in_cpp(weight_bf16)
     return weight_bf16
 
 
@@ -293,8 +319,12 @@ def bf16_linear(x: torch.Tensor, handle: int, keep_bf16: bool = False) -> torch.
     `keep_bf16`: the product as oneDNN wrote it, bfloat16, unless the weight adds float32
     residual channels (then float32 as always). `keep_bf16` is for eager callers: compiled
     graphs reach the weight through the operator, which widens."""
-    if keep_bf16 and not torch.compiler.is_compiling():
-        return _bf16_product(x, _BF16_WEIGHTS[handle], True)
+    keep = keep_bf16 and not torch.compiler.is_compiling()
+    w = _BF16_WEIGHTS[handle]
+    if w.in_cpp:
+        return torch.ops.airserve.bf16_linear_cpp(x, handle, keep)
+    if keep:
+        return _bf16_product(x, w, True)
     return torch.ops.airserve.bf16_linear(x, handle)
 
 
