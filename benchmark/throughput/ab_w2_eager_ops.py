@@ -69,12 +69,7 @@ def main() -> int:
     from airserve.srt.hardware import host_cpu
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--json", default=None)
+    profile_w2.add_w2_arguments(p, rounds=4)
     p.add_argument("--only", nargs="+", default=None, help="switch these operators alone")
     args = p.parse_args()
     engine_args = argparse.Namespace(
@@ -94,13 +89,7 @@ def main() -> int:
                 (on if side == "on" else off)()
             prompts = profile_w2.make_prompts(engine_args, 5000 + 2 * r + (side == "off"))
             t = profile_w2.time_steps(engine, prompts, args.output_len)
-            b = t["buckets"]
-            decode = [v for k, v in b.items() if k.startswith("decode")]
-            runs.append({"round": r + 1, "side": side, "wall_s": round(t["wall_s"], 3),
-                         "output_tok_s": round(t["output_tok_s"], 1),
-                         "prefill_forward_s": round(b["prefill"]["forward_s"], 3),
-                         "decode_forward_s": round(sum(d["forward_s"] for d in decode), 3),
-                         "decode_rest_s": round(sum(d["rest_s"] for d in decode), 3)})
+            runs.append(profile_w2.run_record(t, round=r + 1, side=side))
             print(runs[-1], flush=True)
     cpu = host_cpu()[0]
     print(f"\nW2 offline Engine, one process, {cpu}, {args.num_threads} threads")

@@ -113,6 +113,28 @@ def time_steps(engine, prompts, output_len: int) -> dict:
             "buckets": {k: dict(v) for k, v in sorted(buckets.items())}}
 
 
+def add_w2_arguments(p: argparse.ArgumentParser, rounds: int | None = None) -> None:
+    """The W2 shape and thread count (and --rounds, --json) the A/B scripts share."""
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+
+
+def run_record(timing: dict, **labels) -> dict:
+    """One W2 run of an A/B as a row: its labels, wall, tok/s, prefill and decode forward."""
+    b = timing["buckets"]
+    decode = [v for k, v in b.items() if k.startswith("decode")]
+    return {**labels, "wall_s": round(timing["wall_s"], 3),
+            "output_tok_s": round(timing["output_tok_s"], 1),
+            "prefill_forward_s": round(b["prefill"]["forward_s"], 3),
+            "decode_forward_s": round(sum(d["forward_s"] for d in decode), 3),
+            "decode_rest_s": round(sum(d["rest_s"] for d in decode), 3)}
+
+
 def _bs_range(bs: int) -> str:
     for lo, hi in ((1, 8), (9, 16), (17, 32), (33, 63)):
         if lo <= bs <= hi:
