@@ -144,3 +144,14 @@ def test_matmul_path_flags(capsys):
         assert (args.resolved_large_path, args.int8_outlier_channels) == (
             "w8a8_int8_outliers", 8)
     assert "--quantization" in refused(["--quantization", "fp8"], capsys)
+
+
+def test_default_page_size_per_device():
+    # cpu: 16-slot pages keep a request's decode tokens together for the C++ attention; the
+    # OpenVINO runner keeps pages of one slot; npu: FIA's 128; the flag wins everywhere.
+    assert parse_args([]).resolved_page_size == 16
+    assert parse_args(["--enable-torch-compile", "--torch-compile-backend",
+                       "openvino"]).resolved_page_size == 1
+    assert parse_args(["--device", "cuda"]).resolved_page_size == 1
+    assert parse_args(["--device", "npu"]).resolved_page_size == 128
+    assert parse_args(["--page-size", "1"]).resolved_page_size == 1
