@@ -175,7 +175,7 @@ def test_cpp_bf16_product_equals_the_python_one_and_is_released(channels):
         x = torch.randn(rows, 64)
         python = torch.ops.airserve.bf16_linear(x, w.handle)
         assert torch.equal(torch.ops.airserve.bf16_linear_cpp(x, w.handle, False), python)
-        kept = matmul_paths.bf16_linear(x, w.handle, keep_bf16=True)
+        kept = matmul_paths.bf16_linear(x, w, keep_bf16=True)
         assert kept.dtype == (torch.bfloat16 if channels is None else torch.float32)
         assert torch.equal(kept.float(), python)
     handle = w.handle

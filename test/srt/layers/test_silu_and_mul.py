@@ -68,10 +68,23 @@ def test_matches_torch_path():
     torch.manual_seed(0)
     gate_up = torch.randn(64, 2 * 1536).bfloat16()
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(silu_and_mul(gate_up, torch.float32), F.silu(gate) * up,
+                               rtol=1e-6, atol=1e-7)
     # float32 input keeps the torch ops (exact as before)
     f = gate_up.float()
     assert torch.equal(silu_and_mul(f), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_keeps_its_dtype(dtype):
+    """A bf16 or f16 model's gate/up product (its activations in that dtype, as on GPU or under
+    the OpenVINO runner) comes out in that dtype for its down projection, not widened."""
+    gate_up = torch.randn(5, 64).to(dtype)
+    out = silu_and_mul(gate_up, dtype)
+    assert out.dtype == dtype
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(out, F.silu(gate) * up)
+    assert silu_and_mul(gate_up).dtype == dtype
 
 
 def test_errors():

@@ -25,11 +25,16 @@ def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2N] (float32 or bfloat16) -> float32 [..., N] = silu(gate) * up."""
-    if (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
-            and not torch.compiler.is_compiling() and cpu_kernels.available()):
+def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate_up [..., 2N] -> [..., N] = silu(gate) * up in `out_dtype` (default: gate_up's), the
+    dtype of the activations the next layer multiplies. A bf16 product under float32
+    activations (CPU's bf16 matmul path) is widened; a float16 or bfloat16 model's product
+    stays in its dtype (its down projection's weight is of that dtype)."""
+    out_dtype = out_dtype or gate_up.dtype
+    if (gate_up.dtype == torch.bfloat16 and out_dtype == torch.float32
+            and gate_up.device.type == "cpu" and not torch.compiler.is_compiling()
+            and cpu_kernels.available()):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return torch.ops.airserve.silu_and_mul(flat).reshape(*gate_up.shape[:-1], -1)
-    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate, up = gate_up.to(out_dtype).chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -232,7 +232,7 @@ class Linear(nn.Linear):
                     for i, kind in enumerate(self.packed_kinds)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         elif path == "bfloat16":
-            out = bf16_linear(x.contiguous(), self.weight_bf16.handle, keep_bf16)
+            out = bf16_linear(x.contiguous(), self.weight_bf16, keep_bf16)
         elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif self.weight_onednn is not None:

@@ -141,9 +141,10 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic).
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, decode, keep_bf16=True)),
-                              decode)
+        # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic), which
+        # hands the down projection activations of x's dtype.
+        gate_up = self.gate_up_proj(x, decode, keep_bf16=True)
+        return self.down_proj(silu_and_mul(gate_up, x.dtype), decode)
 
 
 class DecoderLayer(nn.Module):

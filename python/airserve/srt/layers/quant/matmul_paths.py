@@ -314,18 +314,18 @@ def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
     return weight_bf16
 
 
-def bf16_linear(x: torch.Tensor, handle: int, keep_bf16: bool = False) -> torch.Tensor:
-    """x float32 (or bfloat16) [M, K] -> float32 [M, N] through the bfloat16 weight `handle`;
+def bf16_linear(x: torch.Tensor, weight: Bf16Weight, keep_bf16: bool = False) -> torch.Tensor:
+    """x float32 (or bfloat16) [M, K] -> float32 [M, N] through the bfloat16 `weight`;
     `keep_bf16`: the product as oneDNN wrote it, bfloat16, unless the weight adds float32
     residual channels (then float32 as always). `keep_bf16` is for eager callers: compiled
-    graphs reach the weight through the operator, which widens."""
+    graphs reach the weight through the operator, which widens. Takes the weight, not its
+    handle: a compiled graph reads its fields, where the handle's weak map cannot be traced."""
     keep = keep_bf16 and not torch.compiler.is_compiling()
-    w = _BF16_WEIGHTS[handle]
-    if w.in_cpp:
-        return torch.ops.airserve.bf16_linear_cpp(x, handle, keep)
+    if weight.in_cpp:
+        return torch.ops.airserve.bf16_linear_cpp(x, weight.handle, keep)
     if keep:
-        return _bf16_product(x, w, True)
-    return torch.ops.airserve.bf16_linear(x, handle)
+        return _bf16_product(x, weight, True)
+    return torch.ops.airserve.bf16_linear(x, weight.handle)
 
 
 def pack_float32(weight: torch.Tensor, batch_hint: int = ONEDNN_BATCH_HINT) -> Float32Weight:
