@@ -243,6 +243,15 @@ void chunk_values_portable(const Segment<T>& s, const int64_t* off, int64_t n, c
   }
 }
 
+// sc[g * kChunk + j] *= the scale of int8 row j (at cache + off[j]), for every query head g.
+inline void scale_by_rows(const int8_t* cache, const int64_t* off, int64_t n,
+                          const Segment<int8_t>& s, float* sc) {
+  float scales[kChunk];
+  for (int64_t j = 0; j < n; ++j) scales[j] = row_scale(cache + off[j], s.dim);
+  for (int64_t g = 0; g < s.group; ++g)
+    for (int64_t j = 0; j < n; ++j) sc[g * kChunk + j] *= scales[j];
+}
+
 // Folds tokens [t0, t1) of one KV head's chunk into `acc`.
 template <typename T>
 void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
@@ -253,12 +262,7 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
   else
 #endif
     chunk_scores_portable(s, off, n, sc);
-  float row_scales[kChunk];
-  if constexpr (std::is_same<T, int8_t>::value) {
-    for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale(s.kc + off[j], s.dim);
-    for (int64_t g = 0; g < s.group; ++g)
-      for (int64_t j = 0; j < n; ++j) sc[g * kChunk + j] *= row_scales[j];
-  }
+  if constexpr (std::is_same<T, int8_t>::value) scale_by_rows(s.kc, off, n, s, sc);
   for (int64_t g = 0; g < s.group; ++g) {
     float* p = sc + g * kChunk;
     const float mx = std::max(acc.m[g], *std::max_element(p, p + n));
@@ -275,12 +279,8 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
     if (correction != 1.f)
       for (int64_t d = 0; d < s.dim; ++d) acc.o[g * s.dim + d] *= correction;
   }
-  if constexpr (std::is_same<T, int8_t>::value) {
-    // The weights (their sum is counted above) times each value row's scale.
-    for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale(s.vc + off[j], s.dim);
-    for (int64_t g = 0; g < s.group; ++g)
-      for (int64_t j = 0; j < n; ++j) sc[g * kChunk + j] *= row_scales[j];
-  }
+  // The weights (their sum is counted above) times each value row's scale.
+  if constexpr (std::is_same<T, int8_t>::value) scale_by_rows(s.vc, off, n, s, sc);
 #ifdef AIRSERVE_ATTN_AVX2
   if (isa == kAvx512) attn_avx512::chunk_values(s, off, n, sc, acc.o, ahead);
   else if (isa == kAvx2) attn_avx2::chunk_values(s, off, n, sc, acc.o, ahead);
@@ -500,7 +500,7 @@ void attend_all(const float* qs, const float* kp, const float* vp, at::Tensor& k
   T* vc = static_cast<T*>(v_cache.data_ptr());
   const int64_t row = kvh * dim;
   if constexpr (std::is_same<T, int8_t>::value) {
-    const int64_t hs = dim + kInt8ScaleBytes;
+    const int64_t hs = dim + head_extra<T>();
     for (int64_t b = 0; b < bs; ++b)
       for (int64_t h = 0; h < kvh; ++h) {
         quantize_head(kp + b * row + h * dim, dim, kc + (locp[b] * kvh + h) * hs);
