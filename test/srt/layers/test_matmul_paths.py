@@ -187,6 +187,35 @@ def test_cpp_bf16_product_equals_the_python_one_and_is_released(channels):
         torch.ops.airserve.bf16_linear_cpp(torch.randn(2, 64), handle, False)
 
 
+def test_cpp_bf16_conversions_give_torchs_bits():
+    """The bf16 path's own float32 -> bfloat16 cast gives torch's bits (round to nearest even,
+    ties both ways, subnormals kept, overflow to inf, NaN stays NaN) and its widening is exact,
+    on small tensors (one thread), large ones (split over threads) and strided views."""
+    if not cpu_kernels.available():
+        pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
+    torch.manual_seed(5)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -3e-39,
+                            3.4e38, -3.39e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20,
+                            2**-126, 65504.0, -1.0])
+    for shape in [(7, 33), (64, 576), (600, 1000)]:
+        x = torch.randn(*shape) * torch.logspace(-30, 30, shape[1])
+        x.view(-1)[:special.numel()] = special
+        for src in (x, x[:, ::2]):
+            ours, ref = torch.ops.airserve.cast_to_bf16(src), src.to(torch.bfloat16)
+            assert ours.dtype == torch.bfloat16 and ours.shape == src.shape
+            nan = ref.isnan()
+            assert torch.equal(ours.isnan(), nan)
+            assert torch.equal(ours.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+            wide = torch.ops.airserve.widen_to_f32(ref)
+            assert wide.dtype == torch.float32
+            assert torch.equal(wide.isnan(), nan)
+            assert torch.equal(wide[~nan], ref.float()[~nan])
+    with pytest.raises(RuntimeError, match="takes float32"):
+        torch.ops.airserve.cast_to_bf16(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        torch.ops.airserve.widen_to_f32(torch.zeros(3))
+
+
 def test_loader_gives_down_proj_residual_channels(tmp_path):
     """--dtype bfloat16 on a GGUF: down_proj layers (matmul_paths.BF16_RESIDUAL_LAYERS) get
     BF16_RESIDUAL_CHANNELS residual channels from the calibration prefill, the other layers

@@ -12,6 +12,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -85,7 +87,8 @@ using LinearPointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const
 // weight adds float32 residual channels. The same operations as matmul_paths._bf16_product.
 at::Tensor bf16_linear_cpp(const at::Tensor& x, int64_t handle, bool keep_bf16) {
   const Bf16Weight w = bf16_weight(handle);
-  const at::Tensor xb = x.to(at::kBFloat16);
+  const at::Tensor xb = x.scalar_type() == at::kFloat ? airserve_cpu::cast_to_bf16(x)
+                                                      : x.to(at::kBFloat16);
   at::Tensor out;
   if (w.onednn) {
     static const auto op = c10::Dispatcher::singleton()
@@ -96,9 +99,11 @@ at::Tensor bf16_linear_cpp(const at::Tensor& x, int64_t handle, bool keep_bf16) 
   } else {
     out = at::linear(xb, w.packed);
   }
-  if (!w.channels.has_value()) return keep_bf16 ? out : out.to(at::kFloat);
-  out = out.to(at::kFloat);
-  const at::Tensor xs = x.index_select(1, *w.channels);
+  if (!w.channels.has_value()) return keep_bf16 ? out : airserve_cpu::widen_to_f32(out);
+  out = airserve_cpu::widen_to_f32(out);
+  if (x.scalar_type() == at::kFloat)
+    return out.addmm_(airserve_cpu::bf16_rounding_error(x, *w.channels), *w.residual);
+  const at::Tensor xs = x.index_select(1, *w.channels).to(at::kFloat);
   return out.addmm_(xs - xs.to(at::kBFloat16).to(at::kFloat), *w.residual);
 }
 
@@ -162,8 +167,16 @@ TORCH_LIBRARY_FRAGMENT(airserve_bf16, lib) {
   lib.def("release_weight(int handle) -> ()", &bf16_weight_release);
 }
 
+namespace {
+// The conversions bf16_linear_cpp uses, as operators (tests compare them with torch's).
+at::Tensor cast_to_bf16_op(const at::Tensor& x) { return airserve_cpu::cast_to_bf16(x); }
+at::Tensor widen_to_f32_op(const at::Tensor& x) { return airserve_cpu::widen_to_f32(x); }
+}  // namespace
+
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("bf16_linear_cpp", &bf16_linear_cpp);
+  lib.impl("cast_to_bf16", &cast_to_bf16_op);
+  lib.impl("widen_to_f32", &widen_to_f32_op);
   lib.impl("packed_or_large", &packed_or_large);
   lib.impl("packed_or_large_1", &packed_or_large_1);
 }

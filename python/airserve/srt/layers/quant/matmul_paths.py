@@ -283,6 +283,21 @@ def _bf16_linear_cpp_fake(x: torch.Tensor, handle: int, keep_bf16: bool) -> torc
     return x.new_empty(x.shape[0], w.out_features, dtype=dtype)
 
 
+# Its float32 <-> bfloat16 conversions (csrc/cpu_common.h), torch's values bit for bit.
+_lib.define("cast_to_bf16(Tensor x) -> Tensor")
+_lib.define("widen_to_f32(Tensor x) -> Tensor")
+
+
+@torch.library.register_fake("airserve::cast_to_bf16")
+def _cast_to_bf16_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("airserve::widen_to_f32")
+def _widen_to_f32_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
 def _register_in_cpp(weight: Bf16Weight) -> bool:
     """Hand `weight` to the C++ product (released with `weight`); False without the kernels."""
     from airserve.srt.layers import cpu_kernels
