@@ -60,8 +60,7 @@ def make_forms(prompts: int, length: int) -> dict:
 
     def attn_batched():
         out = torch.empty_like(q)
-        tnb._causal_rows(q, k, v, out, [i * length for i in range(prompts)], length, SCALE,
-                     torch.float32)
+        tnb._causal_rows(q, k, v, out, [i * length for i in range(prompts)], length, SCALE)
         return out
 
     pos = torch.arange(total) % length
