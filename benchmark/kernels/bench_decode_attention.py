@@ -1,7 +1,8 @@
 """Micro-benchmark of the CPU paged decode attention operator, implementations side by side.
 
 The default model's heads (9 query heads over 3 KV heads of 64), float32, page size 1 with a
-shuffled block table, batch sizes 1/8/64, cached lengths 32/256/1024/2048, 1 and 2 threads.
+shuffled block table (`--kv-dtype` and `--page-size` take several values, timed side by
+side), batch sizes 1/8/64, cached lengths 32/256/1024/2048, 1 and 2 threads.
 Implementations (`--ops`):
 
 - `cpp`: the operator as the package builds it (`torch.ops.airserve.paged_decode_attention_cpu`);
@@ -115,41 +116,44 @@ def resolve(op: str):
 
 
 def make_args(bs: int, length: int, heads=9, kv_heads=3, dim=64,
-              kv_dtype=torch.float32) -> tuple:
-    """One decode call's arguments: every row `length` tokens long (the new one included)."""
+              kv_dtype=torch.float32, page_size: int = 1) -> tuple:
+    """One decode call's arguments: every row `length` tokens long (the new one included), in
+    pages of `page_size` slots taken in a shuffled order (page 0 unused, as the allocator's)."""
     g = torch.Generator().manual_seed(0)
-    slots = bs * length + 1
-    k_cache = kv_rows(torch.randn(slots, kv_heads, dim, generator=g), kv_dtype)
-    v_cache = kv_rows(torch.randn(slots, kv_heads, dim, generator=g), kv_dtype)
-    table = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32).view(bs, length)
-    loc = table[:, -1].to(torch.int64)
+    per_row = -(-length // page_size)
+    pages = bs * per_row + 1
+    k_cache = kv_rows(torch.randn(pages * page_size, kv_heads, dim, generator=g), kv_dtype)
+    v_cache = kv_rows(torch.randn(pages * page_size, kv_heads, dim, generator=g), kv_dtype)
+    table = (torch.randperm(pages - 1, generator=g) + 1).to(torch.int32).view(bs, per_row)
+    last = length - 1
+    loc = (table[:, last // page_size].to(torch.int64) * page_size + last % page_size)
     lens = torch.full((bs,), length, dtype=torch.int32)
     q = torch.randn(bs, heads, dim, generator=g)
     k, v = torch.randn(bs, kv_heads, dim, generator=g), torch.randn(bs, kv_heads, dim, generator=g)
-    return q, k, v, k_cache, v_cache, loc, table, lens, 1, dim ** -0.5
+    return q, k, v, k_cache, v_cache, loc, table, lens, page_size, dim ** -0.5
 
 
-def per_step(fn, layers: list[tuple]):
+def per_step(fn, args: tuple, layers: list[tuple]):
     """fn over each layer's caches in turn (the other arguments are the first layer's)."""
-    def step(*args):
+    def step():
         for k_cache, v_cache in layers:
             fn(*args[:3], k_cache, v_cache, *args[5:])
     return step
 
 
 @torch.inference_mode()
-def time_interleaved(ops: dict, args: tuple, seconds: float) -> dict[str, float]:
-    """Median microseconds per call of each op, calls taking turns, ~`seconds` in all."""
+def time_interleaved(steps: dict, seconds: float) -> dict[str, float]:
+    """Median microseconds per call of each step, calls taking turns, ~`seconds` in all."""
     start = time.perf_counter()
-    for fn in ops.values():
-        fn(*args)
-    once = (time.perf_counter() - start) / len(ops)
-    repeats = max(7, min(300, int(seconds / max(once, 1e-6) / len(ops))))
-    times: dict[str, list[float]] = {name: [] for name in ops}
+    for fn in steps.values():
+        fn()
+    once = (time.perf_counter() - start) / len(steps)
+    repeats = max(7, min(300, int(seconds / max(once, 1e-6) / len(steps))))
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        for name, fn in ops.items():
+        for name, fn in steps.items():
             t0 = time.perf_counter()
-            fn(*args)
+            fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
@@ -163,38 +167,50 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.5, help="per configuration")
     p.add_argument("--layers", type=int, default=1,
                    help="caches per call, each its own (a step over this many layers)")
-    p.add_argument("--kv-dtype", default="float32",
-                   choices=("float32", "bfloat16", "float16", "int8"))
+    p.add_argument("--kv-dtype", nargs="+", default=["float32"],
+                   choices=("float32", "bfloat16", "float16", "int8"),
+                   help="caches of these element types, side by side")
+    p.add_argument("--page-size", type=int, nargs="+", default=[1],
+                   help="pages of these many slots (shuffled), side by side")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     ops = {name: resolve(name) for name in a.ops}
     model, flags = host_cpu()
     isa = next((f for f in ("avx512f", "avx2") if f in flags), "no avx2")
-    print(f"CPU: {model} ({isa}); {a.kv_dtype} caches, {a.layers} per call")
-    head = f"{'bs':>3} {'len':>5} {'thr':>3} " + " ".join(f"{n:>14}" for n in ops)
-    print(head + (f" {'speedup':>8}" if len(ops) > 1 else ""))
+    print(f"CPU: {model} ({isa}); {'/'.join(a.kv_dtype)} caches, pages of "
+          f"{'/'.join(map(str, a.page_size))}, {a.layers} per call")
+    variants = [(dt, ps) for dt in a.kv_dtype for ps in a.page_size]
+    names = [n if len(variants) == 1 else f"{n}/{dt}/p{ps}"
+             for n in ops for dt, ps in variants]
+    head = f"{'bs':>3} {'len':>5} {'thr':>3} " + " ".join(f"{n:>18}" for n in names)
+    print(head + (f" {'speedup':>8}" if len(names) > 1 else ""))
     rows = []
     for bs in a.bs:
         for length in a.lens:
-            args = make_args(bs, length, kv_dtype=getattr(torch, a.kv_dtype))
-            layers = [args[3:5]] + [tuple(c.clone() for c in args[3:5])
-                                    for _ in range(a.layers - 1)]
-            timed = {name: per_step(fn, layers) for name, fn in ops.items()}
+            steps = {}
+            for dt, ps in variants:
+                args = make_args(bs, length, kv_dtype=getattr(torch, dt), page_size=ps)
+                layers = [args[3:5]] + [tuple(c.clone() for c in args[3:5])
+                                        for _ in range(a.layers - 1)]
+                for n, fn in ops.items():
+                    steps[n if len(variants) == 1 else f"{n}/{dt}/p{ps}"] = per_step(
+                        fn, args, layers)
             for threads in a.threads:
                 torch.set_num_threads(threads)
-                us = time_interleaved(timed, args, a.seconds)
-                first, last = us[a.ops[0]], us[a.ops[-1]]
+                us = time_interleaved(steps, a.seconds)
+                first, last = us[names[0]], us[names[-1]]
                 rows.append({"bs": bs, "len": length, "threads": threads, "us": us,
                              "speedup_last_vs_first": first / last})
                 line = f"{bs:>3} {length:>5} {threads:>3} " + " ".join(
-                    f"{us[n]:>14.1f}" for n in ops)
-                print(line + (f" {first / last:>7.2f}x" if len(ops) > 1 else ""), flush=True)
-            del args, layers, timed
+                    f"{us[n]:>18.1f}" for n in names)
+                print(line + (f" {first / last:>7.2f}x" if len(names) > 1 else ""), flush=True)
+            del steps
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": model, "cpu_isa": isa, "ops": a.ops, "unit": "median us per call",
-                       "layers_per_call": a.layers, "kv_dtype": a.kv_dtype,
-                       "shape": "9 query heads, 3 KV heads, head dim 64, page size 1",
+                       "layers_per_call": a.layers, "kv_dtypes": a.kv_dtype,
+                       "page_sizes": a.page_size,
+                       "shape": "9 query heads, 3 KV heads, head dim 64, shuffled pages",
                        "rows": rows}, f, indent=1)
 
 
