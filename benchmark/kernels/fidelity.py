@@ -13,6 +13,10 @@ agreement >= 98% and perplexity within 1% of float32:
   with float32 matmuls: with float32 matmuls (the cache alone), and with every row, decode rows
   too, multiplied through the bfloat16 path (what a large decode batch runs when `auto` takes
   bfloat16: the two roundings together; only on a CPU with bf16 dot products).
+  `int8-keys` / `int8-values` emulate a cache that would hold only the keys (values) as int8
+  rows: a float16 cache whose keys (values) take the int8 row format's round trip (values and
+  scale, the C++ quantizer) before they are written; float16 then rounds the dequantized
+  value again, so the emulation is if anything pessimistic.
 - default: int8 activations of the packed decode kernels, below.
 
 For each GGUF type (the default model's Q4_1 as shipped, and K-quant / Q5 mixes made by
@@ -51,6 +55,38 @@ import torch
 MIN_AGREEMENT = 0.98
 MAX_PPL_CHANGE = 0.01
 DEFAULT_SCHEMES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+KV_EMULATED = ("int8-keys", "int8-values")
+
+
+@contextlib.contextmanager
+def int8_round_trip(which: str | None):
+    """Within the block, the CPU attention backend's keys ("int8-keys") or values
+    ("int8-values") pass through the int8 cache row format before the write; None: as they
+    are."""
+    from airserve.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from airserve.srt.mem_cache.memory_pool import kv_rows, kv_values
+
+    if which is None:
+        yield
+        return
+    forward = TorchNativeAttnBackend.forward
+    own = "forward" in vars(TorchNativeAttnBackend)
+
+    def emulated(self, q, k, v, *args, **kwargs):
+        if which == "int8-keys":
+            k = kv_values(kv_rows(k, torch.int8), k.dtype)
+        else:
+            v = kv_values(kv_rows(v, torch.int8), v.dtype)
+        return forward(self, q, k, v, *args, **kwargs)
+
+    TorchNativeAttnBackend.forward = emulated
+    try:
+        yield
+    finally:
+        if own:
+            TorchNativeAttnBackend.forward = forward
+        else:
+            del TorchNativeAttnBackend.forward
 
 
 def packaged_text(n_chars: int = 20000) -> str:
@@ -312,9 +348,12 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
         if path != current[0]:
             set_large_path(model, path, outliers=outliers if path == "bfloat16" else None)
             current[0] = path
-        args = ServerArgs(dtype="float32", kv_cache_dtype=kv_dtype, max_running_requests=batch,
+        emulated = kv_dtype if kv_dtype in KV_EMULATED else None
+        args = ServerArgs(dtype="float32", kv_cache_dtype="float16" if emulated else kv_dtype,
+                          max_running_requests=batch,
                           max_total_tokens=batch * (len(seqs[0]) + 8), packed_decode_max_bs=0)
-        return teacher_forced(ModelRunner(args, model_config=cfg, model=model), seqs)
+        with int8_round_trip(emulated):
+            return teacher_forced(ModelRunner(args, model_config=cfg, model=model), seqs)
 
     ref = run("float32", "float32")
     rows = []
@@ -393,8 +432,9 @@ def main() -> None:
                         "server's)")
     p.add_argument("--seq-len", type=int, default=250, help="tokens per sequence (--paths)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=None,
-                   choices=("bfloat16", "float16", "int8"),
-                   help="check these KV cache element types instead")
+                   choices=("bfloat16", "float16", "int8") + KV_EMULATED,
+                   help="check these KV cache element types instead (int8-keys/-values: "
+                        "emulated, see above)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -1,5 +1,5 @@
 // Small helpers shared by the elementwise and logits operators (activation.cpp, logits.cpp,
-// norm_rope.cpp): plain C++, no target options.
+// norm_rope.cpp) and the bf16 product (packed_or_large.cpp): plain C++, no target options.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -42,11 +42,12 @@ void for_each_row(int64_t rows, int64_t row_elements, const Fn& fn) {
 
 // ---- float32 <-> bfloat16 for the bf16 matmul path's operands ----
 //
-// torch's Tensor.to costs ~19 us for a [64, 576] float32 -> bfloat16 cast and ~420 us for
-// [512, 3072] on a 2-core Sapphire Rapids VM (dispatch and a thread-pool wake-up on every call,
-// and a generic loop), and a decode step makes ~240 of them around its products. These are
-// plain loops the compiler vectorizes for the build's CPU (-march=native). The rounding is
-// torch's (c10::BFloat16: round to nearest even on the bits, NaN to 0x7fc0), not the
+// A decode step makes ~240 casts and widenings around its bf16 products (and the residual
+// channels' x - bf16(x)); these plain loops, vectorized by the compiler for the build's CPU
+// (-march=native), replace Tensor.to / index_select / sub through the dispatcher. Alone they
+// cost about what torch's take (~18 us for a [64, 576] cast on a 2-core Sapphire Rapids VM:
+// the work is memory traffic); what goes is ~4 dispatched operators per product. The rounding
+// is torch's (c10::BFloat16: round to nearest even on the bits, NaN to 0x7fc0), not the
 // AVX512-BF16 instruction's, which flushes float32 subnormals to zero.
 inline uint16_t bf16_bits(float f) {
   uint32_t u;
