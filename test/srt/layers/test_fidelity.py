@@ -158,3 +158,19 @@ def test_kv_cache_check_on_a_short_text() -> None:
         assert r["top1_agreement"] > 0.9 and r["ppl_change"] < 0.05, r
         assert r["passed"] == (r["top1_agreement"] >= fidelity.MIN_AGREEMENT
                                and r["ppl_change"] <= fidelity.MAX_PPL_CHANGE)
+
+
+def test_kv_int8_half_emulation_changes_only_its_half_and_is_undone() -> None:
+    """--kv-cache-dtypes int8-keys / int8-values: the emulated half goes through the int8 row
+    format before the write (the results move off plain float16's), the other half does not
+    (keys and values each move the results their own way), and the backend is itself again
+    afterwards."""
+    from airserve.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    _need_default_model()
+    report = fidelity.check_kv(["float16", "int8-keys", "int8-values"], n_tokens=96, batch=2)
+    by = {r["kv_cache_dtype"]: r for r in report["rows"] if r["matmul_path"] == "float32"}
+    assert set(by) == {"float16", "int8-keys", "int8-values"}
+    ppl = {k: r["ppl"] for k, r in by.items()}
+    assert len(set(ppl.values())) == 3, ppl
+    assert "forward" not in vars(TorchNativeAttnBackend)
