@@ -56,15 +56,20 @@ inline uint16_t bf16_bits(float f) {
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
 
+// The float a bf16's bits stand for (exact: the bits become the float's high half).
+inline float bf16_value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 inline void f32_to_bf16(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
 }
 
 inline void bf16_to_f32(const uint16_t* in, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(out + i, &u, sizeof u);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(in[i]);
 }
 
 // Elements per task: below 2 x this one thread converts (waking the pool costs more).
@@ -116,10 +121,7 @@ inline at::Tensor bf16_rounding_error(const at::Tensor& x, const at::Tensor& cha
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t j = 0; j < k; ++j) {
       const float v = src[r * kin + c[j]];
-      const uint32_t u = static_cast<uint32_t>(bf16_bits(v)) << 16;
-      float rounded;
-      std::memcpy(&rounded, &u, sizeof u);
-      dst[r * k + j] = v - rounded;
+      dst[r * k + j] = v - bf16_value(bf16_bits(v));
     }
   }
   return out;

@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "isa_select.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
@@ -97,12 +98,7 @@ inline void quantize_head(const float* x, int64_t dim, int8_t* dst) {
 }
 
 inline float widen(float x) { return x; }
-inline float widen(bf16_t x) {
-  const uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen(bf16_t x) { return airserve_cpu::bf16_value(x); }
 
 inline float widen(f16_t x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }  // times the row's scale, later
@@ -111,11 +107,7 @@ inline void narrow(float x, float* to) { *to = x; }
 // Round to nearest even, as torch's float -> float16 conversion does (c10's own conversion).
 inline void narrow(float x, f16_t* to) { *to = f16_t(x); }
 // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays a NaN).
-inline void narrow(float x, bf16_t* to) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  *to = std::isnan(x) ? bf16_t(0x7fc0) : bf16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+inline void narrow(float x, bf16_t* to) { *to = airserve_cpu::bf16_bits(x); }
 
 // What one sequence reads: all its KV heads. Rows are `row` elements apart in the pool, heads
 // `hstride` apart within a row (dim, plus an int8 row's scale).
