@@ -43,6 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_w2  # noqa: E402
 
 DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:compile", "llama-cpp"]
+# What a llama.cpp worker killed by SIGSEGV prints: on CPUs with AMX the host-native build's
+# AMX kernels faulted at their first tile instruction (scripts/install_peers.sh says more).
+LLAMA_CRASH_HINT = ("llama.cpp crashed (SIGSEGV). On a CPU with AMX its host-native build's AMX "
+                    "kernels are the known cause: `bash scripts/install_peers.sh` checks the "
+                    "build and rebuilds it without AMX where it fails.")
 
 
 def gguf_file(gguf_type: str, directory: str, threads: int) -> str:
@@ -112,8 +117,12 @@ def run_llama_cpp(job: dict) -> dict:
 
 def run_config(config: str, job: dict, args, tmp: Path) -> dict:
     if config == "llama-cpp":
-        return bench_w2.run_child([sys.executable, __file__, "--llama-worker"], job, tmp,
-                                  "llama_cpp", args.timeout)
+        try:
+            return bench_w2.run_child([sys.executable, __file__, "--llama-worker"], job, tmp,
+                                      "llama_cpp", args.timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{LLAMA_CRASH_HINT}" if "exited with -11" in str(e)
+                               else str(e)) from None
     return bench_w2.run_config(config, job, args, tmp)
 
 
