@@ -618,7 +618,10 @@ at::Tensor quantize_kv_cpu(const at::Tensor& x_in) {
 // sequences and each query head reads the group's keys again. Here a task is one (sequence, KV
 // head, block of up to kPrefillQueries positions): the block's rows (position x the group's
 // query heads) meet the keys kPrefillKeys at a time, transposed once per block so every loaded
-// vector of keys serves several rows; an online softmax per row carries the blocks. Key blocks
+// vector of keys serves several rows; an online softmax per row carries the blocks. In the
+// block on a task's diagonal each group of rows stops at the last key its last row sees (about
+// half the block's products; W2's 128-token prompts have two diagonal blocks of three), and the
+// rows' maxima take eight-lane compares. Key blocks
 // start at whole multiples of kPrefillKeys from the sequence's first key, and no row's
 // arithmetic depends on the other rows of its task, so a token's output is the same bits
 // whether its prompt ran whole, in chunks, or after a cache hit. Tasks are taken longest first
@@ -696,9 +699,12 @@ void prefill_task(const PrefillCall& c, const PrefillTask& t, PrefillScratch& w)
       for (int64_t j = 0; j < nk; ++j) row[j] = kb[j * c.k_stride + d];
       std::fill(row + nk, row + kPrefillKeys, 0.f);
     }
+    const int64_t lead = t.p0 - c0 + 1;  // keys of this block that its first row sees
 #ifdef AIRSERVE_ATTN_AVX2
-    if (c.isa == kAvx512) attn_avx512::prefill_scores(w.q.data(), rows, D, w.kt.data(), w.s.data());
-    else if (c.isa == kAvx2) attn_avx2::prefill_scores(w.q.data(), rows, D, w.kt.data(), w.s.data());
+    if (c.isa == kAvx512)
+      attn_avx512::prefill_scores(w.q.data(), rows, D, w.kt.data(), w.s.data(), lead, G);
+    else if (c.isa == kAvx2)
+      attn_avx2::prefill_scores(w.q.data(), rows, D, w.kt.data(), w.s.data(), lead, G);
     else
 #endif
       prefill_scores_portable(w.q.data(), rows, D, w.kt.data(), w.s.data());
@@ -710,7 +716,13 @@ void prefill_task(const PrefillCall& c, const PrefillTask& t, PrefillScratch& w)
         std::fill(p, p + nk, 0.f);
         continue;
       }
-      const float mx = std::max(w.m[r], *std::max_element(p, p + valid));
+#ifdef AIRSERVE_ATTN_AVX2
+      const float top = c.isa != kScalar ? attn_avx2::max_of(p, valid)
+                                         : *std::max_element(p, p + valid);
+#else
+      const float top = *std::max_element(p, p + valid);
+#endif
+      const float mx = std::max(w.m[r], top);
       const float correction = std::exp(w.m[r] - mx);  // 0 for the first block: o is zero
 #ifdef AIRSERVE_ATTN_AVX2
       const float sum = c.isa != kScalar ? attn_avx2::exp_shifted(p, valid, mx)
@@ -726,8 +738,10 @@ void prefill_task(const PrefillCall& c, const PrefillTask& t, PrefillScratch& w)
     }
     const float* vb = c.v + (t.k_start + c0) * c.v_stride + t.head * D;
 #ifdef AIRSERVE_ATTN_AVX2
-    if (c.isa == kAvx512) attn_avx512::prefill_values(w.s.data(), rows, vb, c.v_stride, nk, w.o.data(), D);
-    else if (c.isa == kAvx2) attn_avx2::prefill_values(w.s.data(), rows, vb, c.v_stride, nk, w.o.data(), D);
+    if (c.isa == kAvx512)
+      attn_avx512::prefill_values(w.s.data(), rows, vb, c.v_stride, nk, w.o.data(), D, lead, G);
+    else if (c.isa == kAvx2)
+      attn_avx2::prefill_values(w.s.data(), rows, vb, c.v_stride, nk, w.o.data(), D, lead, G);
     else
 #endif
       prefill_values_portable(w.s.data(), rows, vb, c.v_stride, nk, w.o.data(), D);
