@@ -257,7 +257,12 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
   if constexpr (std::is_same<T, int8_t>::value) scale_by_rows(s.kc, off, n, s, sc);
   for (int64_t g = 0; g < s.group; ++g) {
     float* p = sc + g * kChunk;
-    const float mx = std::max(acc.m[g], *std::max_element(p, p + n));
+#ifdef AIRSERVE_ATTN_AVX2
+    const float top = isa != kScalar ? attn_avx2::max_of(p, n) : *std::max_element(p, p + n);
+#else
+    const float top = *std::max_element(p, p + n);
+#endif
+    const float mx = std::max(acc.m[g], top);
     // The first chunk rescales nothing: e^(-inf - mx) = 0 times an o of zeros.
     const float correction = std::exp(acc.m[g] - mx);
 #ifdef AIRSERVE_ATTN_AVX2
