@@ -241,3 +241,27 @@ def test_loader_gives_down_proj_residual_channels(tmp_path):
     report = matmul_path_report([m for _, m in named], [n for n, _ in named])
     assert report[-1]["path"] == "bfloat16"
     assert report[-1]["bf16_residual_channels"] == {"down_proj": channels}
+
+
+@pytest.mark.parametrize("channels", [None, torch.tensor([2, 9, 40])], ids=["plain", "residual"])
+def test_forward_bf16_equals_forward_on_the_float32_activations(channels):
+    """Linear.forward_bf16 (activations that arrive as their bf16 rounding, with the rounding's
+    error at the weight's residual channels) gives forward's bits on the float32 activations;
+    an error tensor of the wrong width is refused with the width it needs."""
+    if not cpu_kernels.available():
+        pytest.fail(f"the C++ kernels did not build: {cpu_kernels.unavailable_reason()}")
+    torch.manual_seed(8)
+    layer = Linear(64, 96, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.1)
+        layer.bias.normal_(0, 0.1)
+    layer.set_large_path("bfloat16", outliers=channels)
+    k = 0 if channels is None else len(channels)
+    for rows in (1, 9, 64):
+        assert layer.takes_bf16_input(rows, decode=False)
+        x = torch.randn(rows, 64) * 3
+        xb = x.bfloat16()
+        err = (x - xb.float())[:, channels] if k else torch.empty(rows, 0)
+        assert torch.equal(layer.forward_bf16(xb, err), layer(x))
+    with pytest.raises(RuntimeError, match=rf"err must be float32 \[4, {k}\]"):
+        layer.forward_bf16(torch.randn(4, 64).bfloat16(), torch.zeros(4, k + 1))

@@ -123,3 +123,76 @@ def test_mlp_bf16_path_uses_bf16_product():
     assert gu.dtype == torch.float32
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(out, mlp.down_proj(F.silu(gate) * up), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 8), (5, 37), (64, 1536)])
+@pytest.mark.parametrize("channels", [None, [0, 3, 6]], ids=["plain", "residual"])
+def test_bf16_form_gives_the_float32_routes_bits(rows, n, channels):
+    """silu_and_mul_bf16 hands a bf16 down projection what the float32 route would cast for it:
+    the float32 operator's product rounded by torch's rounding, bit for bit, and that product
+    less its rounding at the residual channels; 1 and 2 threads alike."""
+    ops()
+    torch.manual_seed(rows + n)
+    gate_up = (torch.randn(rows, 2 * n) * 4).bfloat16()
+    gate_up[0, 1] = float("inf")  # silu(inf) * up: an infinity keeps its bits too
+    ch = None if channels is None else torch.tensor(channels)
+    product = torch.ops.airserve.silu_and_mul(gate_up)  # float32
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            act, err = torch.ops.airserve.silu_and_mul_bf16(gate_up, ch)
+        finally:
+            torch.set_num_threads(before)
+        assert act.dtype == torch.bfloat16 and act.shape == (rows, n)
+        assert torch.equal(act.view(torch.int16), product.bfloat16().view(torch.int16))
+        if ch is None:
+            assert err.shape == (rows, 0) and err.dtype == torch.float32
+        else:
+            kept = product[:, ch]
+            assert torch.equal(err, kept - kept.bfloat16().float())
+            assert err.abs().max() > 0  # the rounding is not zero on random values
+
+
+def test_bf16_form_errors():
+    ops()
+    op = torch.ops.airserve.silu_and_mul_bf16
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        op(torch.randn(2, 8), None)
+    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* n\]"):
+        op(torch.randn(2, 7).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="residual channel 4 out of range for 4"):
+        op(torch.randn(2, 8).bfloat16(), torch.tensor([1, 4]))
+
+
+def test_mlp_sends_bf16_activations_to_a_bf16_down_projection():
+    """With both projections on the bfloat16 path in C++, the MLP hands down_proj bf16
+    activations and their rounding error at its residual channels (no float32 [rows, N]
+    product in between) and gets the float32 route's output bit for bit; a down projection
+    on the float32 path takes the float32 route."""
+    ops()
+    from types import SimpleNamespace
+
+    from airserve.srt.layers.activation import silu_and_mul_product
+    from airserve.srt.models.llama import MLP
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96)
+    torch.manual_seed(2)
+    mlp = MLP(cfg)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.2)
+    mlp.gate_up_proj.set_large_path("bfloat16")
+    mlp.down_proj.set_large_path("bfloat16", outliers=torch.tensor([5, 17, 90]))
+    assert mlp.down_proj.weight_bf16.in_cpp
+    x = torch.randn(40, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = mlp(x)
+    names = {e.name for e in prof.events()}
+    assert {"airserve::silu_and_mul_bf16", "airserve::bf16_linear_from_bf16"} <= names
+    assert "airserve::bf16_linear_cpp" in names  # gate/up, from float32 x
+    gate_up = mlp.gate_up_proj(x, keep_bf16=True)
+    assert gate_up.dtype == torch.bfloat16
+    assert torch.equal(out, mlp.down_proj(silu_and_mul(gate_up, torch.float32)))
+    float32_down = MLP(cfg)  # its layers keep the float32 path
+    assert silu_and_mul_product(gate_up, float32_down.down_proj, False) is None

@@ -243,6 +243,21 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
 
+    def takes_bf16_input(self, rows: int, decode: bool = False) -> bool:
+        """Whether `forward_bf16` multiplies `rows` rows as `forward` would: they take the
+        bfloat16 path, in C++, outside a compiled graph."""
+        return (self.weight_bf16 is not None and self.weight_bf16.in_cpp
+                and self.path_for(rows, decode) == "bfloat16"
+                and not torch.compiler.is_compiling())
+
+    def forward_bf16(self, xb: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+        """`forward(x)` for float32 activations x [rows, in_features] that arrive as their bf16
+        rounding `xb` and `err`, x less that rounding at the weight's residual channels
+        ([rows, k], k = 0 without): float32 [rows, out_features], the same bits (see
+        `takes_bf16_input`)."""
+        out = torch.ops.airserve.bf16_linear_from_bf16(xb, err, self.weight_bf16.handle)
+        return out if self.bias is None else out + self.bias
+
     def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T with the blocks dequantized `DEQUANT_CHUNK_VALUES` at a time (no float copy
         of the whole weight is ever held)."""

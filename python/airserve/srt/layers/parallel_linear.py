@@ -94,3 +94,6 @@ class RowLinear(Linear):
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x, decode))
+
+    def forward_bf16(self, xb: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward_bf16(xb, err))

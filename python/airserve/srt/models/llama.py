@@ -13,7 +13,7 @@ from airserve.srt.configs import ModelConfig
 from airserve.srt.distributed.parallel_state import SINGLE, TPGroup
 from airserve.srt.distributed.sharding import column_shard, qkv_shards, vocab_shard
 from airserve.srt.layers import cpu_kernels, norm_rope
-from airserve.srt.layers.activation import silu_and_mul
+from airserve.srt.layers.activation import silu_and_mul, silu_and_mul_product
 from airserve.srt.layers.embedding import VocabParallelEmbedding
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.parallel_linear import ColumnLinear, RowLinear
@@ -142,8 +142,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic), which
-        # hands the down projection activations of x's dtype.
+        # hands the down projection activations of x's dtype; as bf16, when down multiplies
+        # these rows in bf16 too (silu_and_mul_product: the same bits, fewer passes).
         gate_up = self.gate_up_proj(x, decode, keep_bf16=True)
+        if x.dtype == torch.float32:
+            out = silu_and_mul_product(gate_up, self.down_proj, decode)
+            if out is not None:
+                return out
         return self.down_proj(silu_and_mul(gate_up, x.dtype), decode)
 
 

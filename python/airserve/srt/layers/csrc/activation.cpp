@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -93,6 +95,56 @@ at::Tensor silu_and_mul_impl(const at::Tensor& gate_up, bool vector) {
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_and_mul_impl(gate_up, true); }
 
+// The same product for a down projection that multiplies in bf16 (quant/matmul_paths.py), in
+// the form that product reads: gate_up bf16 [M, 2N] -> (act, err) with act bf16 [M, N], the
+// float32 product rounded as torch rounds (cast_to_bf16 of silu_and_mul's output, bit for
+// bit), and err float32 [M, k], that product less its rounding at the weight's residual input
+// `channels` (int64 [k]; k = 0 without), as bf16_rounding_error gives it. Each row is computed
+// into a float32 row that stays in L1 and leaves as bf16: the float32 [M, N] activations are
+// never written and read back (in a 512-token prefill step of the default model, 3 MiB a
+// layer each way, from memory rather than cache inside the step).
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_bf16(const at::Tensor& gate_up,
+                                                     const c10::optional<at::Tensor>& channels) {
+  const char* name = "airserve::silu_and_mul_bf16";
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kBFloat16,
+              name, ": gate_up must be bfloat16 [rows, 2 * n], got ", gate_up.scalar_type(), " ",
+              gate_up.sizes());
+  const at::Tensor in = gate_up.contiguous();
+  const int64_t m = in.size(0), n = in.size(1) / 2;
+  at::Tensor ch = channels.has_value() ? channels->to(at::kLong).contiguous()
+                                       : at::empty({0}, in.options().dtype(at::kLong));
+  const int64_t k = ch.numel();
+  const int64_t* c = ch.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j)
+    TORCH_CHECK(c[j] >= 0 && c[j] < n, name, ": residual channel ", c[j], " out of range for ",
+                n, " features");
+  at::Tensor act = at::empty({m, n}, in.options());
+  at::Tensor err = at::empty({m, k}, in.options().dtype(at::kFloat));
+  const auto* src = in.data_ptr<c10::BFloat16>();
+  auto* dst = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
+  float* e = err.data_ptr<float>();
+  const bool vector = airserve_cpu::has_avx2_fma();
+  (void)vector;  // read only where the AVX2 loop is compiled
+  at::parallel_for(0, m, airserve_cpu::grain_rows(2 * n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const c10::BFloat16* gate = src + r * 2 * n;
+#ifdef AIRSERVE_ACT_AVX2
+      if (vector) act_avx2::silu_mul(gate, gate + n, row.data(), n);
+      else
+#endif
+        silu_mul_portable(gate, gate + n, row.data(), n);
+      airserve_cpu::f32_to_bf16(row.data(), dst + r * n, n);
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = row[c[j]];
+        e[r * k + j] = v - airserve_cpu::bf16_value(airserve_cpu::bf16_bits(v));
+      }
+    }
+  });
+  return {act, err};
+}
+
 at::Tensor silu_and_mul_portable(const at::Tensor& gate_up) {
   return silu_and_mul_impl(gate_up, false);
 }
@@ -102,4 +154,5 @@ at::Tensor silu_and_mul_portable(const at::Tensor& gate_up) {
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("silu_and_mul", &silu_and_mul);
   lib.impl("silu_and_mul_portable", &silu_and_mul_portable);
+  lib.impl("silu_and_mul_bf16", &silu_and_mul_bf16);
 }

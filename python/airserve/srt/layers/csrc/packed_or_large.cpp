@@ -83,28 +83,48 @@ using LinearPointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const
                                      c10::string_view, c10::List<std::optional<at::Scalar>>,
                                      std::optional<c10::string_view>);
 
+// bf16 [M, K] times the weight: oneDNN's (or torch's) bf16 product, bf16 [M, N].
+at::Tensor bf16_product(const at::Tensor& xb, const Bf16Weight& w) {
+  if (!w.onednn) return at::linear(xb, w.packed);
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<LinearPointwiseFn>();
+  return op.call(xb, w.packed, c10::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
 // x float32 [M, K] -> float32 [M, N]; keep_bf16: oneDNN's bf16 product as written, unless the
 // weight adds float32 residual channels. The same operations as matmul_paths._bf16_product.
 at::Tensor bf16_linear_cpp(const at::Tensor& x, int64_t handle, bool keep_bf16) {
   const Bf16Weight w = bf16_weight(handle);
   const at::Tensor xb = x.scalar_type() == at::kFloat ? airserve_cpu::cast_to_bf16(x)
                                                       : x.to(at::kBFloat16);
-  at::Tensor out;
-  if (w.onednn) {
-    static const auto op = c10::Dispatcher::singleton()
-        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-        .typed<LinearPointwiseFn>();
-    out = op.call(xb, w.packed, c10::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
-                  c10::string_view(""));
-  } else {
-    out = at::linear(xb, w.packed);
-  }
+  at::Tensor out = bf16_product(xb, w);
   if (!w.channels.has_value()) return keep_bf16 ? out : airserve_cpu::widen_to_f32(out);
   out = airserve_cpu::widen_to_f32(out);
   if (x.scalar_type() == at::kFloat)
     return out.addmm_(airserve_cpu::bf16_rounding_error(x, *w.channels), *w.residual);
   const at::Tensor xs = x.index_select(1, *w.channels).to(at::kFloat);
   return out.addmm_(xs - xs.to(at::kBFloat16).to(at::kFloat), *w.residual);
+}
+
+// The same product for activations that arrive as bf16 already: xb bf16 [M, K], the rounding
+// of float32 activations x, and err float32 [M, k], x less that rounding at the weight's
+// residual channels (silu_and_mul_bf16 makes both): float32 [M, N], bf16_linear_cpp(x)'s bits.
+at::Tensor bf16_linear_from_bf16(const at::Tensor& xb, const at::Tensor& err, int64_t handle) {
+  const char* name = "airserve::bf16_linear_from_bf16";
+  const Bf16Weight w = bf16_weight(handle);
+  TORCH_CHECK(xb.dim() == 2 && xb.scalar_type() == at::kBFloat16, name,
+              ": xb must be bfloat16 [rows, in_features], got ", xb.scalar_type(), " ",
+              xb.sizes());
+  const int64_t k = w.channels.has_value() ? w.channels->numel() : 0;
+  TORCH_CHECK(err.dim() == 2 && err.size(0) == xb.size(0) && err.size(1) == k &&
+                  err.scalar_type() == at::kFloat,
+              name, ": err must be float32 [", xb.size(0), ", ", k,
+              "] (the weight's residual channels), got ", err.scalar_type(), " ", err.sizes());
+  at::Tensor out = airserve_cpu::widen_to_f32(bf16_product(xb.contiguous(), w));
+  if (k == 0) return out;
+  return out.addmm_(err.contiguous(), *w.residual);
 }
 
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
@@ -175,6 +195,7 @@ at::Tensor widen_to_f32_op(const at::Tensor& x) { return airserve_cpu::widen_to_
 
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("bf16_linear_cpp", &bf16_linear_cpp);
+  lib.impl("bf16_linear_from_bf16", &bf16_linear_from_bf16);
   lib.impl("cast_to_bf16", &cast_to_bf16_op);
   lib.impl("widen_to_f32", &widen_to_f32_op);
   lib.impl("packed_or_large", &packed_or_large);

@@ -283,6 +283,18 @@ def _bf16_linear_cpp_fake(x: torch.Tensor, handle: int, keep_bf16: bool) -> torc
     return x.new_empty(x.shape[0], w.out_features, dtype=dtype)
 
 
+# The same product for activations that arrive as bf16 (the exact rounding of float32 ones) with
+# their rounding error at the weight's residual channels (activation.silu_and_mul_bf16 makes
+# both): bf16_linear_cpp's bits without the float32 activations in memory.
+_lib.define("bf16_linear_from_bf16(Tensor xb, Tensor err, int handle) -> Tensor")
+
+
+@torch.library.register_fake("airserve::bf16_linear_from_bf16")
+def _bf16_linear_from_bf16_fake(xb: torch.Tensor, err: torch.Tensor,
+                                handle: int) -> torch.Tensor:
+    return xb.new_empty(xb.shape[0], _BF16_WEIGHTS[handle].out_features, dtype=torch.float32)
+
+
 # Its float32 <-> bfloat16 conversions (csrc/cpu_common.h), torch's values bit for bit.
 _lib.define("cast_to_bf16(Tensor x) -> Tensor")
 _lib.define("widen_to_f32(Tensor x) -> Tensor")
