@@ -8,6 +8,9 @@ alternating: one process, one engine, so the machine's drift between minutes hit
   refine_logits  bf16-rounded top logits left as they are (no float32 refinement)
   prefill_attention  torch's SDPA for prefill attention instead of airserve's C++ operator
                  (the decode graphs keep theirs: they were compiled with it)
+  bf16_handoff   RMSNorm and SiLU-and-product hand a bf16 product float32 activations, which it
+                 casts itself (RMSNorm.for_product, activation.silu_and_mul_product off; the
+                 same bits either way)
 Rounds alternate the order (on/off, off/on). `--only NAME ...` switches those alone. Prints a
 table and writes JSON.
 
@@ -42,10 +45,18 @@ def toggles(engine):
     backend = engine.model_runner.attn_backend
     built = backend.cpp_built
     mlp, fused, greedy = llama.MLP.forward, norm_rope.fused_eager, sampler.greedy_tokens
+    for_product, product = llama.RMSNorm.for_product, llama.silu_and_mul_product
 
-    def torch_mlp(self, x, decode=False):
+    def torch_mlp(self, x, decode=False, act_dtype=None):
         gate, up = self.gate_up_proj(x, decode).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, decode)
+
+    def float32_handoff():
+        llama.RMSNorm.for_product = lambda self, x, consumer, decode: self(x)
+        llama.silu_and_mul_product = lambda gate_up, down, decode: None
+
+    def bf16_handoff():
+        llama.RMSNorm.for_product, llama.silu_and_mul_product = for_product, product
 
     def setter(obj, name, value):
         return lambda: setattr(obj, name, value)
@@ -62,6 +73,7 @@ def toggles(engine):
                           setter(model, "refine_logits", False)),
         "prefill_attention": (setter(backend, "cpp_built", built),
                               setter(backend, "cpp_built", False)),
+        "bf16_handoff": (bf16_handoff, float32_handoff),
     }
 
 

@@ -13,6 +13,8 @@ from airserve.srt.layers import cpu_kernels
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+# rms_norm rounded to bf16 in the same pass, for a product that multiplies in bf16.
+_lib.define("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor")
 # The same operators' plain C++ loops (any CPU): for tests against the vector ones.
 _lib.define("rms_norm_portable(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("rotary_portable(Tensor x, Tensor cos, Tensor sin) -> Tensor")
@@ -30,6 +32,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2, -1) + eps)) over the last dimension of float32 x."""
     flat = x.reshape(-1, x.shape[-1])
     return torch.ops.airserve.rms_norm(flat, weight, eps).view(x.shape)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm(x, weight, eps).to(torch.bfloat16)`, bit for bit, in one pass (x [T, D])."""
+    return torch.ops.airserve.rms_norm_bf16(x, weight, eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

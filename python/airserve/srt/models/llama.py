@@ -37,6 +37,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def for_product(self, x: torch.Tensor, consumer: Linear, decode: bool) -> torch.Tensor:
+        """The norm of x [T, D] as `consumer` multiplies it: rounded to bf16 in the same pass
+        where the consumer takes these rows by the bfloat16 path in C++ without residual
+        channels (the bits it would cast the float32 norm to: one pass over the activations
+        fewer each way), else `forward(x)`."""
+        if (self.weight.dtype == torch.float32 and x.dim() == 2 and norm_rope.fused_eager(x)
+                and consumer.takes_bf16_input(x.shape[0], decode)
+                and consumer.weight_bf16.channels is None):
+            return norm_rope.rms_norm_bf16(x, self.weight, self.eps)
+        return self(x)
+
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.head_dim
@@ -140,16 +151,20 @@ class MLP(nn.Module):
                               for n in ("gate_proj", "up_proj")])
         self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False,
+                act_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`act_dtype`: the activations' dtype (default x's); float32 activations may arrive
+        as their bf16 rounding (RMSNorm.for_product), which gate/up multiplies in bf16 anyway."""
+        act_dtype = act_dtype or x.dtype
         # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic), which
-        # hands the down projection activations of x's dtype; as bf16, when down multiplies
-        # these rows in bf16 too (silu_and_mul_product: the same bits, fewer passes).
+        # hands the down projection activations of the activations' dtype; as bf16, when down
+        # multiplies these rows in bf16 too (silu_and_mul_product: the same bits, fewer passes).
         gate_up = self.gate_up_proj(x, decode, keep_bf16=True)
-        if x.dtype == torch.float32:
+        if act_dtype == torch.float32:
             out = silu_and_mul_product(gate_up, self.down_proj, decode)
             if out is not None:
                 return out
-        return self.down_proj(silu_and_mul(gate_up, x.dtype), decode)
+        return self.down_proj(silu_and_mul(gate_up, act_dtype), decode)
 
 
 class DecoderLayer(nn.Module):
@@ -161,8 +176,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rotary, fb):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, fb)
-        return x + self.mlp(self.post_attention_layernorm(x), fb.forward_mode.is_decode())
+        decode = fb.forward_mode.is_decode()
+        h = self.input_layernorm.for_product(x, self.self_attn.qkv_proj, decode)
+        x = x + self.self_attn(h, rotary, fb)
+        h = self.post_attention_layernorm.for_product(x, self.mlp.gate_up_proj, decode)
+        return x + self.mlp(h, decode, act_dtype=x.dtype)
 
 
 class LlamaModel(nn.Module):

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -116,6 +117,39 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   return out;
 }
 
+// The same norm rounded to bf16 as torch rounds (rms_norm(x).to(bfloat16), bit for bit) for a
+// product that multiplies in bf16: each row is normalized into a float32 row that stays in L1
+// and leaves as bf16, so the float32 [T, D] result is not written and read back to be cast.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "airserve::rms_norm_bf16: x must be float32 [tokens, dim], got ", x.scalar_type(),
+              " ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == at::kFloat,
+              "airserve::rms_norm_bf16: weight must be float32 [", x.size(1), "]");
+  const at::Tensor in = x.contiguous(), w = weight.contiguous();
+  const int64_t t = in.size(0), d = in.size(1);
+  at::Tensor out = at::empty({t, d}, in.options().dtype(at::kBFloat16));
+  const float* xp = in.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const float e = static_cast<float>(eps);
+  const bool vector = airserve_cpu::has_avx2_fma();
+  (void)vector;  // read only where the AVX2 loop is compiled
+  at::parallel_for(0, t, airserve_cpu::grain_rows(d), [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(d);
+    for (int64_t r = r0; r < r1; ++r) {
+#ifdef AIRSERVE_NORM_AVX2
+      if (vector) norm_avx2::rms_row(xp + r * d, wp, row.data(), d, e);
+      else
+#endif
+        rms_row_portable(xp + r * d, wp, row.data(), d, e);
+      airserve_cpu::f32_to_bf16(row.data(), op + r * d, d);
+    }
+  });
+  return out;
+}
+
 // x [T, H, D] (any strides but the last) rotated by cos/sin [T, D]: a new [T, H, D] tensor.
 at::Tensor rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        bool vector) {
@@ -171,6 +205,7 @@ at::Tensor rotary_portable(const at::Tensor& x, const at::Tensor& cos, const at:
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("rms_norm", &rms_norm);
   lib.impl("rms_norm_portable", &rms_norm_portable);
+  lib.impl("rms_norm_bf16", &rms_norm_bf16);
   lib.impl("rotary", &rotary);
   lib.impl("rotary_portable", &rotary_portable);
 }
