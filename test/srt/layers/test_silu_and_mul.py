@@ -6,6 +6,8 @@ MLP feeding it a bfloat16 product."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,22 +99,26 @@ def test_errors():
         op(torch.randn(2, 8).half())
 
 
-def test_mlp_bf16_path_uses_bf16_product():
-    """An MLP on the bfloat16 large path hands silu_and_mul the bf16 gate/up product (no
-    float32 copy of it) and computes what the float32-widened route computes."""
-    ops()
-    from types import SimpleNamespace
-
+def bf16_mlp(seed: int, down_outliers: torch.Tensor | None = None):
+    """An MLP of 64 -> 2 x 96 -> 64 with random weights, both projections on the bfloat16
+    path (down_proj with residual channels at `down_outliers`, if given)."""
     from airserve.srt.models.llama import MLP
 
-    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96)  # all MLP reads
-    torch.manual_seed(1)
-    mlp = MLP(cfg)
+    torch.manual_seed(seed)
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96))  # all MLP reads
     with torch.no_grad():
         for p in mlp.parameters():
             p.normal_(0, 0.2)
     mlp.gate_up_proj.set_large_path("bfloat16")
-    mlp.down_proj.set_large_path("bfloat16")
+    mlp.down_proj.set_large_path("bfloat16", outliers=down_outliers)
+    return mlp
+
+
+def test_mlp_bf16_path_uses_bf16_product():
+    """An MLP on the bfloat16 large path hands silu_and_mul the bf16 gate/up product (no
+    float32 copy of it) and computes what the float32-widened route computes."""
+    ops()
+    mlp = bf16_mlp(seed=1)
     x = torch.randn(40, 64)
     seen = []
     handle = mlp.gate_up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -171,19 +177,10 @@ def test_mlp_sends_bf16_activations_to_a_bf16_down_projection():
     product in between) and gets the float32 route's output bit for bit; a down projection
     on the float32 path takes the float32 route."""
     ops()
-    from types import SimpleNamespace
-
     from airserve.srt.layers.activation import silu_and_mul_product
     from airserve.srt.models.llama import MLP
 
-    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96)
-    torch.manual_seed(2)
-    mlp = MLP(cfg)
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.normal_(0, 0.2)
-    mlp.gate_up_proj.set_large_path("bfloat16")
-    mlp.down_proj.set_large_path("bfloat16", outliers=torch.tensor([5, 17, 90]))
+    mlp = bf16_mlp(seed=2, down_outliers=torch.tensor([5, 17, 90]))
     assert mlp.down_proj.weight_bf16.in_cpp
     x = torch.randn(40, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -194,5 +191,5 @@ def test_mlp_sends_bf16_activations_to_a_bf16_down_projection():
     gate_up = mlp.gate_up_proj(x, keep_bf16=True)
     assert gate_up.dtype == torch.bfloat16
     assert torch.equal(out, mlp.down_proj(silu_and_mul(gate_up, torch.float32)))
-    float32_down = MLP(cfg)  # its layers keep the float32 path
+    float32_down = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96))  # float32 path
     assert silu_and_mul_product(gate_up, float32_down.down_proj, False) is None
