@@ -60,7 +60,11 @@ def _check_counts(stdout: str, out, num_prompts: int) -> dict:
     assert (result["completed"], result["failed"]) == (num_prompts, 0), result["first_error"]
     assert result["total_output_tokens"] == requested
     assert all(n >= 5 for n in result["output_lens"])  # range ratio 0.5 of 10
-    assert all(len(itl) > 0 for itl in result["itls"])  # streamed, not one chunk
+    # Streamed, not one chunk per request. Some request may still arrive whole: the tiny
+    # model's byte-level tokens are random bytes, and the server holds back text that ends in
+    # an incomplete UTF-8 sequence (tokenizer.py), so a short answer can complete only at its
+    # last token, whatever the batch composition made greedy decoding pick.
+    assert any(len(itl) > 0 for itl in result["itls"]), result["itls"]
     assert result["mean_ttft_ms"] > 0 and result["output_throughput"] > 0
     return result
 
