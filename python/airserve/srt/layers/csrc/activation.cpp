@@ -61,17 +61,25 @@ void silu_mul(const T* gate, const T* up, float* out, int64_t n) {
 #pragma GCC pop_options
 #endif  // AIRSERVE_ACT_AVX2
 
+// One row: out[j] = silu(gate[j]) * up[j], j < n (gate_up = [gate | up]); `vector` takes the
+// AVX2 loop where it is compiled.
+template <typename T>
+void silu_mul_row(const T* gate_up, float* out, int64_t n, bool vector) {
+#ifdef AIRSERVE_ACT_AVX2
+  if (vector) return act_avx2::silu_mul(gate_up, gate_up + n, out, n);
+#else
+  (void)vector;
+#endif
+  silu_mul_portable(gate_up, gate_up + n, out, n);
+}
+
 template <typename T>
 void run(const at::Tensor& gate_up, at::Tensor& out, bool vector) {
   const int64_t m = gate_up.size(0), n = out.size(1);
   const T* in = gate_up.data_ptr<T>();
   float* o = out.data_ptr<float>();
   airserve_cpu::for_each_row(m, n, [&](int64_t r) {
-    const T* gate = in + r * 2 * n;
-#ifdef AIRSERVE_ACT_AVX2
-    if (vector) return act_avx2::silu_mul(gate, gate + n, o + r * n, n);
-#endif
-    silu_mul_portable(gate, gate + n, o + r * n, n);
+    silu_mul_row(in + r * 2 * n, o + r * n, n, vector);
   });
 }
 
@@ -112,34 +120,22 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_bf16(const at::Tensor& gate_up,
               gate_up.sizes());
   const at::Tensor in = gate_up.contiguous();
   const int64_t m = in.size(0), n = in.size(1) / 2;
-  at::Tensor ch = channels.has_value() ? channels->to(at::kLong).contiguous()
-                                       : at::empty({0}, in.options().dtype(at::kLong));
+  const at::Tensor ch =
+      airserve_cpu::checked_channels(channels.has_value() ? *channels : at::empty({0}), n, name);
   const int64_t k = ch.numel();
   const int64_t* c = ch.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; ++j)
-    TORCH_CHECK(c[j] >= 0 && c[j] < n, name, ": residual channel ", c[j], " out of range for ",
-                n, " features");
   at::Tensor act = at::empty({m, n}, in.options());
   at::Tensor err = at::empty({m, k}, in.options().dtype(at::kFloat));
   const auto* src = in.data_ptr<c10::BFloat16>();
   auto* dst = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
   float* e = err.data_ptr<float>();
   const bool vector = airserve_cpu::has_avx2_fma();
-  (void)vector;  // read only where the AVX2 loop is compiled
   at::parallel_for(0, m, airserve_cpu::grain_rows(2 * n), [&](int64_t r0, int64_t r1) {
     std::vector<float> row(n);
     for (int64_t r = r0; r < r1; ++r) {
-      const c10::BFloat16* gate = src + r * 2 * n;
-#ifdef AIRSERVE_ACT_AVX2
-      if (vector) act_avx2::silu_mul(gate, gate + n, row.data(), n);
-      else
-#endif
-        silu_mul_portable(gate, gate + n, row.data(), n);
+      silu_mul_row(src + r * 2 * n, row.data(), n, vector);
       airserve_cpu::f32_to_bf16(row.data(), dst + r * n, n);
-      for (int64_t j = 0; j < k; ++j) {
-        const float v = row[c[j]];
-        e[r * k + j] = v - airserve_cpu::bf16_value(airserve_cpu::bf16_bits(v));
-      }
+      for (int64_t j = 0; j < k; ++j) e[r * k + j] = airserve_cpu::bf16_residual(row[c[j]]);
     }
   });
   return {act, err};

@@ -103,27 +103,35 @@ inline at::Tensor widen_to_f32(const at::Tensor& x) {
   return out;
 }
 
-// x float32 [M, K] -> [M, k]: x's columns `channels` (int64 [k]) less their bf16 rounding,
-// x - bf16(x) there (what the bf16 path's residual channels add back).
+// v less its bf16 rounding, v - bf16(v): what the bf16 path's residual channels add back.
+inline float bf16_residual(float v) { return v - bf16_value(bf16_bits(v)); }
+
+// A weight's residual input channels as a contiguous int64 tensor, each checked to lie within
+// the `features` input features; `who` names the operator in the error.
+inline at::Tensor checked_channels(const at::Tensor& channels, int64_t features,
+                                   const char* who) {
+  at::Tensor ch = channels.to(at::kLong).contiguous();
+  const int64_t* c = ch.data_ptr<int64_t>();
+  for (int64_t j = 0; j < ch.numel(); ++j)
+    TORCH_CHECK(c[j] >= 0 && c[j] < features, who, ": residual channel ", c[j],
+                " out of range for ", features, " input features");
+  return ch;
+}
+
+// x float32 [M, K] -> [M, k]: x's columns `channels` (int64 [k]) less their bf16 rounding.
 inline at::Tensor bf16_rounding_error(const at::Tensor& x, const at::Tensor& channels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
               "airserve: bf16_rounding_error takes float32 [M, K]");
   const at::Tensor in = x.contiguous();
-  const at::Tensor ch = channels.to(at::kLong).contiguous();
-  const int64_t m = in.size(0), kin = in.size(1), k = ch.numel();
+  const int64_t m = in.size(0), kin = in.size(1);
+  const at::Tensor ch = checked_channels(channels, kin, "airserve");
+  const int64_t k = ch.numel();
   const int64_t* c = ch.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; ++j)
-    TORCH_CHECK(c[j] >= 0 && c[j] < kin, "airserve: residual channel ", c[j],
-                " out of range for ", kin, " input features");
   at::Tensor out = at::empty({m, k}, in.options());
   const float* src = in.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t j = 0; j < k; ++j) {
-      const float v = src[r * kin + c[j]];
-      dst[r * k + j] = v - bf16_value(bf16_bits(v));
-    }
-  }
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = bf16_residual(src[r * kin + c[j]]);
   return out;
 }
 

@@ -202,6 +202,16 @@ using attn_avx2::exp_shifted;
 #pragma GCC pop_options
 #endif  // AIRSERVE_ATTN_AVX2
 
+// The largest of p[0..n), n >= 1: eight-lane compares where the vector loops run, else a scan.
+inline float row_max(const float* p, int64_t n, int isa) {
+#ifdef AIRSERVE_ATTN_AVX2
+  if (isa != kScalar) return attn_avx2::max_of(p, n);
+#else
+  (void)isa;
+#endif
+  return *std::max_element(p, p + n);
+}
+
 // The same three steps in plain C++: any CPU, any head size.
 template <typename T>
 void chunk_scores_portable(const Segment<T>& s, const int64_t* off, int64_t n, float* sc) {
@@ -257,12 +267,7 @@ void attend_chunk(const Segment<T>& s, const int64_t* off, int64_t n, float* sc,
   if constexpr (std::is_same<T, int8_t>::value) scale_by_rows(s.kc, off, n, s, sc);
   for (int64_t g = 0; g < s.group; ++g) {
     float* p = sc + g * kChunk;
-#ifdef AIRSERVE_ATTN_AVX2
-    const float top = isa != kScalar ? attn_avx2::max_of(p, n) : *std::max_element(p, p + n);
-#else
-    const float top = *std::max_element(p, p + n);
-#endif
-    const float mx = std::max(acc.m[g], top);
+    const float mx = std::max(acc.m[g], row_max(p, n, isa));
     // The first chunk rescales nothing: e^(-inf - mx) = 0 times an o of zeros.
     const float correction = std::exp(acc.m[g] - mx);
 #ifdef AIRSERVE_ATTN_AVX2
@@ -721,13 +726,7 @@ void prefill_task(const PrefillCall& c, const PrefillTask& t, PrefillScratch& w)
         std::fill(p, p + nk, 0.f);
         continue;
       }
-#ifdef AIRSERVE_ATTN_AVX2
-      const float top = c.isa != kScalar ? attn_avx2::max_of(p, valid)
-                                         : *std::max_element(p, p + valid);
-#else
-      const float top = *std::max_element(p, p + valid);
-#endif
-      const float mx = std::max(w.m[r], top);
+      const float mx = std::max(w.m[r], row_max(p, valid, c.isa));
       const float correction = std::exp(w.m[r] - mx);  // 0 for the first block: o is zero
 #ifdef AIRSERVE_ATTN_AVX2
       const float sum = c.isa != kScalar ? attn_avx2::exp_shifted(p, valid, mx)

@@ -91,60 +91,41 @@ void rotate(const float* x, const float* cos, const float* sin, float* out, int6
 #pragma GCC pop_options
 #endif  // AIRSERVE_NORM_AVX2
 
-// x [T, D] -> w * (x * rsqrt(mean(x^2) + eps)), float32.
-at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
-                         bool vector) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "airserve::rms_norm: x must be float32 [tokens, dim], got ", x.scalar_type(), " ",
-              x.sizes());
+// x [T, D] -> w * (x * rsqrt(mean(x^2) + eps)), float32, or rounded to bf16 as torch rounds
+// (rms_norm(x).to(bfloat16), bit for bit) when `bf16_out`, for a product that multiplies in
+// bf16: each row is then normalized into a float32 row that stays in L1 and leaves as bf16, so
+// the float32 [T, D] result is not written and read back to be cast.
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, bool vector,
+                         bool bf16_out, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name,
+              ": x must be float32 [tokens, dim], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == at::kFloat,
-              "airserve::rms_norm: weight must be float32 [", x.size(1), "]");
+              name, ": weight must be float32 [", x.size(1), "]");
   const at::Tensor in = x.contiguous(), w = weight.contiguous();
-  at::Tensor out = at::empty_like(in);
   const int64_t t = in.size(0), d = in.size(1);
+  at::Tensor out = at::empty({t, d}, in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float* xp = in.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   vector = vector && airserve_cpu::has_avx2_fma();
-  airserve_cpu::for_each_row(t, d, [&](int64_t r) {
+  const auto row = [&](int64_t r, float* to) {
 #ifdef AIRSERVE_NORM_AVX2
-    if (vector) return norm_avx2::rms_row(xp + r * d, wp, op + r * d, d, e);
+    if (vector) return norm_avx2::rms_row(xp + r * d, wp, to, d, e);
 #endif
-    rms_row_portable(xp + r * d, wp, op + r * d, d, e);
-  });
-  return out;
-}
-
-// The same norm rounded to bf16 as torch rounds (rms_norm(x).to(bfloat16), bit for bit) for a
-// product that multiplies in bf16: each row is normalized into a float32 row that stays in L1
-// and leaves as bf16, so the float32 [T, D] result is not written and read back to be cast.
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "airserve::rms_norm_bf16: x must be float32 [tokens, dim], got ", x.scalar_type(),
-              " ", x.sizes());
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == at::kFloat,
-              "airserve::rms_norm_bf16: weight must be float32 [", x.size(1), "]");
-  const at::Tensor in = x.contiguous(), w = weight.contiguous();
-  const int64_t t = in.size(0), d = in.size(1);
-  at::Tensor out = at::empty({t, d}, in.options().dtype(at::kBFloat16));
-  const float* xp = in.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+    rms_row_portable(xp + r * d, wp, to, d, e);
+  };
+  if (!bf16_out) {
+    float* op = out.data_ptr<float>();
+    airserve_cpu::for_each_row(t, d, [&](int64_t r) { row(r, op + r * d); });
+    return out;
+  }
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const float e = static_cast<float>(eps);
-  const bool vector = airserve_cpu::has_avx2_fma();
-  (void)vector;  // read only where the AVX2 loop is compiled
   at::parallel_for(0, t, airserve_cpu::grain_rows(d), [&](int64_t r0, int64_t r1) {
-    std::vector<float> row(d);
+    std::vector<float> normed(d);
     for (int64_t r = r0; r < r1; ++r) {
-#ifdef AIRSERVE_NORM_AVX2
-      if (vector) norm_avx2::rms_row(xp + r * d, wp, row.data(), d, e);
-      else
-#endif
-        rms_row_portable(xp + r * d, wp, row.data(), d, e);
-      airserve_cpu::f32_to_bf16(row.data(), op + r * d, d);
+      row(r, normed.data());
+      airserve_cpu::f32_to_bf16(normed.data(), op + r * d, d);
     }
   });
   return out;
@@ -188,10 +169,13 @@ at::Tensor rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return rms_norm_impl(x, w, eps, true);
+  return rms_norm_impl(x, w, eps, true, false, "airserve::rms_norm");
 }
 at::Tensor rms_norm_portable(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return rms_norm_impl(x, w, eps, false);
+  return rms_norm_impl(x, w, eps, false, false, "airserve::rms_norm");
+}
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return rms_norm_impl(x, w, eps, true, true, "airserve::rms_norm_bf16");
 }
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return rotary_impl(x, cos, sin, true);
