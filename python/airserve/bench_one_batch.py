@@ -85,14 +85,16 @@ def print_sglang_style(bs: int, input_len: int, r: BatchResult) -> None:
     print(f"Total. latency: {total:6.3f} s, throughput: {out_tokens / total:9.2f} token/s")
 
 
-def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read (sum over a tensor larger than the caches), best of N."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
+def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5,
+                           device: str = "cpu") -> float:
+    """Bytes/s of a streaming read (sum over a tensor larger than the caches) on `device`,
+    best of N (float() waits for an accelerator's result)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    float(x.sum())
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        x.sum()
+        float(x.sum())
         best = min(best, time.perf_counter() - start)
     return nbytes / best
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                             model_config=runner.model_config, model=runner.model)
     hf = transformers_model(runner) if args.compare_transformers else None
 
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(device=str(runner.device))
     weights = runner.model.decode_weight_bytes(1)
     print(f"threads: {torch.get_num_threads()}, read bandwidth: {bandwidth / 1e9:.1f} GB/s, "
           f"weights read per decode step at bs 1: {weights / 2**20:.1f} MiB "

@@ -49,14 +49,23 @@ def tiny_config(model_type: str, vocab_size: int) -> dict:
     return cfg
 
 
-def make_tiny_model_dir(path, model_type: str, seed: int = 0) -> str:
-    """Save a random-weight transformers model of `model_type` and a tokenizer under `path`."""
+# The default model's shape (SmolLM2-135M): random weights of this size time a decode step the
+# way the real model would, without its weights (scripts/check_cuda.sh).
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          vocab_size=49152, max_position_embeddings=8192, rope_scaling=None)
+
+
+def make_tiny_model_dir(path, model_type: str, seed: int = 0, **shape) -> str:
+    """Save a random-weight transformers model of `model_type` and a tokenizer under `path`;
+    `shape` overrides config fields (e.g. SMOLLM2_135M_SHAPE; its vocabulary holds ids the
+    tokenizer never produces, which token-id prompts can still use)."""
     import transformers
 
     path = str(path)
     tok = build_tokenizer(300)
     vocab = tok.get_vocab_size()
-    cfg = tiny_config(model_type, vocab)
+    cfg = {**tiny_config(model_type, vocab), **shape}
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config}[model_type]
     model_cls = {"llama": transformers.LlamaForCausalLM,

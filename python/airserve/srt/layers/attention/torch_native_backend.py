@@ -7,6 +7,8 @@ table. Cost per step follows the live context, not the padded width nor the pool
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,24 @@ _lib.define(
 )
 
 
+class _StaticWidth(threading.local):
+    active = False
+
+
+_static_width = _StaticWidth()
+
+
+@contextlib.contextmanager
+def static_decode_width():
+    """Decode attention on CUDA reads every block-table column, as inside a CUDA graph: the
+    graph runner's warm-up runs use it so that they run the captured shapes."""
+    before, _static_width.active = _static_width.active, True
+    try:
+        yield
+    finally:
+        _static_width.active = before
+
+
 def paged_decode_attention_kernel(
     q: torch.Tensor,  # [bs, H, D]
     k: torch.Tensor,  # [bs, KVH, D], the new token's key
@@ -40,9 +60,13 @@ def paged_decode_attention_kernel(
     k_cache.index_copy_(0, out_cache_loc, kv_rows(k, k_cache.dtype))
     v_cache.index_copy_(0, out_cache_loc, kv_rows(v, v_cache.dtype))
     bs, num_heads, head_dim = q.shape
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = q.is_cuda and (_static_width.active or torch.cuda.is_current_stream_capturing())
     if capturing:
         # No host sync inside a CUDA graph: read every column (the mask hides the padding).
+        # Warm-up runs before a capture take the same shapes (static_decode_width), so that
+        # lazy set-up (cuDNN's attention plans and workspace) happens outside the graph:
+        # cuDNN cannot allocate during a capture (CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_
+        # FAILED at bs 64, bf16, H200).
         live = block_table.shape[1] * page_size
     else:
         live = int(seq_lens.max())

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from airserve.srt.forward_batch import ForwardBatch
+from airserve.srt.layers.attention.torch_native_backend import static_decode_width
 from airserve.srt.model_executor.graph_runners.base import GraphRunner, configure_compile_cache
 
 WARMUP_RUNS = 2  # before capture: compiles, autotunes and allocates outside the graph
@@ -64,7 +65,8 @@ class CudaGraphRunner(GraphRunner):
             self.stream = dm.Stream()
             self.pool = dm.graph_pool_handle()
         forward = self.forward_for_bucket(bs)
-        with dm.stream(self.stream):
+        # Warm-up at the captured shapes: lazy allocations (cuDNN plans) cannot run in a capture.
+        with dm.stream(self.stream), static_decode_width():
             for _ in range(WARMUP_RUNS):
                 forward(fb)
         dm.synchronize()
