@@ -4,7 +4,8 @@ runner and from an eager runner sharing its model.
 
     python -m airserve_testing.compiled_start MODEL_DIR CACHE_DIR BUCKETS [STEPS]
 
-BUCKETS: comma-separated batch sizes (e.g. 2,3).
+BUCKETS: comma-separated batch sizes (e.g. 2,3). CACHE_DIR "none": no --compile-cache-dir (the
+graphs compile through dynamo's inductor backend and are not stored).
 """
 
 from __future__ import annotations
@@ -28,19 +29,54 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
+class CompileWorkers:
+    """The most of inductor's compile-pool processes (its `compile_worker` sidecar and workers)
+    alive at once among this process's children, sampled every 50 ms in a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self.most, self._done = 0, threading.Event()
+        self._me = psutil.Process()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._done.wait(0.05):
+            found = 0
+            for child in self._me.children(recursive=True):
+                try:
+                    found += any("compile_worker" in part for part in child.cmdline())
+                except psutil.Error:  # gone meanwhile
+                    pass
+            self.most = max(self.most, found)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.most
+
+
 def main() -> None:
+    workers = CompileWorkers()
     model_dir, cache_dir = sys.argv[1], sys.argv[2]
     buckets = tuple(int(b) for b in sys.argv[3].split(","))
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     torch.manual_seed(0)
     graph = make_runner(model_dir, enable_torch_compile=True, cuda_graph_bs=buckets,
-                        compile_cache_dir=cache_dir)
+                        compile_cache_dir=None if cache_dir == "none" else cache_dir)
     eager = make_runner(model_dir, runner_from=graph)
     prompt = random_prompts(graph.model_config.vocab_size, [9])[0]
     replays = graph.graph_runner.replay_count
-    out = {"report": graph.graph_runner.report(), "store_dir": graph.graph_runner.store.dir,
+    store = graph.graph_runner.store
+    out = {"report": graph.graph_runner.report(), "store_dir": store and store.dir,
            "graph": greedy(graph, prompt, steps), "eager": greedy(eager, prompt, steps)}
     out["replays"] = graph.graph_runner.replay_count - replays
+    out["compile_workers"] = workers.stop()
     print(json.dumps(out, default=str))
 
 

@@ -23,7 +23,11 @@ from airserve.srt.model_executor.graph_runners.bucket_store import (
     file_sha256,
 )
 from airserve.srt.model_executor.graph_runners.config import RunnerConfig
-from airserve.srt.model_executor.graph_runners.cpu import CPUGraphRunner
+from airserve.srt.model_executor.graph_runners.cpu import (
+    SERIAL_COMPILE_MAX_CORES,
+    CPUGraphRunner,
+    compile_threads,
+)
 from airserve.srt.server_args import ServerArgs
 
 BUCKETS = (2, 3)  # one graph, batch dimension dynamic
@@ -67,6 +71,30 @@ def test_warm_start_loads_and_matches_cold_and_eager(starts):
     assert warm["report"]["direct_replay_buckets"] == list(BUCKETS)
     assert warm["replays"] == cold["replays"] > 0  # the decode steps ran in the graph
     assert warm["graph"] == cold["graph"] == cold["eager"] == warm["eager"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 0) > SERIAL_COMPILE_MAX_CORES
+                    or "TORCHINDUCTOR_COMPILE_THREADS" in os.environ,
+                    reason="inductor's own compile threads apply on this machine")
+def test_cold_start_compiles_without_a_worker_pool_on_few_cores(tiny_llama_dir, tmp_path,
+                                                               monkeypatch):
+    """Without a store (a server's default) dynamo's inductor backend starts inductor's pool of
+    compile workers unless compile_threads is 1 (~820 MiB more at the default model's cold start
+    on 2 cores, benchmark/runners/startup.py)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold: nothing cached
+    cold = start(tiny_llama_dir, "none")
+    assert cold["report"]["compile_threads"] == 1
+    assert cold["report"]["graphs_compiled"] == 1  # it did compile, in this process
+    assert cold["compile_workers"] == 0  # inductor's default started a sidecar and workers
+    assert cold["graph"] == cold["eager"]
+
+
+def test_compile_threads_rule():
+    assert compile_threads(2, {}) == 1
+    assert compile_threads(SERIAL_COMPILE_MAX_CORES, {}) == 1
+    assert compile_threads(SERIAL_COMPILE_MAX_CORES + 1, {}) is None
+    assert compile_threads(2, {"TORCHINDUCTOR_COMPILE_THREADS": "2"}) is None  # the user's
+    assert compile_threads(None, {}) is None
 
 
 def test_corrupted_bucket_is_detected_and_rebuilt(starts, tiny_llama_dir):

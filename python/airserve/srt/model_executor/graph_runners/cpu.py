@@ -34,6 +34,7 @@ eager).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -110,13 +111,33 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_a
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
+# Inductor compiles in parallel in a pool of worker processes, each of which imports torch. On
+# few cores the pool buys no time and costs memory: a cold start of the default model's W2
+# buckets (1..64) on a 2-core AMD EPYC peaked at 2774 MiB over the process tree with the pool (7
+# processes) and 1928 MiB without it (4), ready in 58.4 against 55.7 s. Up to this many cores,
+# inductor compiles in the runner's process; TORCHINDUCTOR_COMPILE_THREADS, where set, decides.
+SERIAL_COMPILE_MAX_CORES = 4
+
+
+def compile_threads(cpu_count: int | None, environ=os.environ) -> int | None:
+    """Inductor's compile_threads for a machine of `cpu_count` cores: 1 up to
+    SERIAL_COMPILE_MAX_CORES, else None (inductor's own choice, as where the variable is set)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in environ or cpu_count is None:
+        return None
+    return 1 if cpu_count <= SERIAL_COMPILE_MAX_CORES else None
+
+
 def inductor_options(tp_size: int) -> dict:
-    """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group. With tensor parallelism the
-    wrapper stays Python: the C++ wrapper cannot call torch's functional collectives on CPU
-    (inductor: "arg type Any is not yet supported by custom_op_wrapper")."""
+    """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group, with `compile_threads` where it
+    applies. With tensor parallelism the wrapper stays Python: the C++ wrapper cannot call
+    torch's functional collectives on CPU (inductor: "arg type Any is not yet supported by
+    custom_op_wrapper")."""
     options = dict(INDUCTOR_OPTIONS)
     if tp_size > 1:
         options.update(cpp_wrapper=False, cpp_wrapper_build_separate=False)
+    threads = compile_threads(os.cpu_count())
+    if threads is not None:
+        options["compile_threads"] = threads
     return options
 
 
@@ -362,6 +383,7 @@ class CPUGraphRunner(GraphRunner):
         report["graphs_compiled"] = len(self.step_graphs)
         report["graphs_loaded"] = len(self.artifacts)
         report["cpp_wrapper"] = bool(self.inductor_options["cpp_wrapper"])
+        report["compile_threads"] = self.inductor_options.get("compile_threads", "inductor's")
         if self.stale:
             report["stale_buckets"] = dict(self.stale)
         if self.unstored:
