@@ -111,11 +111,13 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_a
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
-# Inductor compiles in parallel in a pool of worker processes, each of which imports torch. On
-# few cores the pool buys no time and costs memory: a cold start of the default model's W2
-# buckets (1..64) on a 2-core AMD EPYC peaked at 2774 MiB over the process tree with the pool (7
-# processes) and 1928 MiB without it (4), ready in 58.4 against 55.7 s. Up to this many cores,
-# inductor compiles in the runner's process; TORCHINDUCTOR_COMPILE_THREADS, where set, decides.
+# Inductor compiles in parallel in a pool of worker processes, each of which imports torch, and
+# the pool lives on while the server serves. On few cores it buys no time and costs memory: a
+# cold start of the default model's buckets without a compile store on a 2-core AMD EPYC peaked
+# at 2745 MiB over the process tree with a pool of two (7 processes) and 1924 MiB without (4),
+# ready in 63.9 against 57.3 s (benchmark/runners/startup.py --no-store --compile-threads
+# airserve 2). Up to this many cores inductor compiles in the runner's process;
+# TORCHINDUCTOR_COMPILE_THREADS, where set, decides.
 SERIAL_COMPILE_MAX_CORES = 4
 
 
