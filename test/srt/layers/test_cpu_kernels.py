@@ -30,11 +30,37 @@ def test_a_stale_build_lock_is_removed_and_the_build_completes(tmp_path):
            "w = PackedWeight('q8_0', torch.ones(2, 32, dtype=torch.int8), "
            "torch.ones(2, 1, dtype=torch.half), None); "
            "assert packed_linear(torch.ones(1, 32), w).tolist() == [[32.0, 32.0]]")
-    out = subprocess.run([sys.executable, "-c", run], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "stale build lock" in out.stderr
+    env.pop("MAX_JOBS", None)
+    proc = subprocess.Popen([sys.executable, "-c", run], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    compilers = most_compilers_while(proc)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "stale build lock" in stderr
     assert not os.path.exists(lock)
+    # One compiler job per core (ninja alone runs more: 3 at once on 2 cores).
+    assert 1 <= compilers <= len(os.sched_getaffinity(0))
+
+
+def most_compilers_while(proc: subprocess.Popen, timeout: float = 600.0) -> int:
+    """The most C++ compiler processes (cc1plus) under `proc` at once until it exits."""
+    import psutil
+
+    root, most, end = psutil.Process(proc.pid), 0, time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < end:
+        try:
+            most = max(most, sum("cc1plus" in p.name() for p in root.children(recursive=True)))
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    return most
+
+
+def test_build_jobs_follow_the_cores_unless_max_jobs_is_set():
+    assert cpu_kernels.build_jobs({}, cpus=2) == "2"
+    assert cpu_kernels.build_jobs({}, cpus=0) == "1"
+    assert cpu_kernels.build_jobs({"MAX_JOBS": "5"}, cpus=2) is None  # the user's choice
+    assert cpu_kernels.build_jobs({}) == str(len(os.sched_getaffinity(0)))
 
 
 def test_build_name_is_per_checkout_and_per_source(tmp_path):
