@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runners"))
 
 CHILD = ("import sys, time; from airserve.srt.layers import cpu_kernels\n"
          "if sys.argv[1] == 'ninja': cpu_kernels.build_jobs = lambda: None\n"
@@ -27,7 +30,7 @@ CHILD = ("import sys, time; from airserve.srt.layers import cpu_kernels\n"
 
 
 def build_once(jobs: str) -> dict:
-    import psutil
+    from compare_runners import PeakRss
 
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=tempfile.mkdtemp(prefix="airserve-build-"))
     env.pop("MAX_JOBS", None)
@@ -36,19 +39,13 @@ def build_once(jobs: str) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, jobs], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    root, peak, most = psutil.Process(proc.pid), 0, 0
-    while proc.poll() is None:
-        try:
-            tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree))
-            most = max(most, sum("cc1plus" in p.name() for p in tree))
-        except psutil.Error:
-            pass
-        time.sleep(0.05)
-    ok, build_s = proc.stdout.read().split()
+    rss = PeakRss(proc.pid, interval=0.05, counted=lambda p: "cc1plus" in p.name())
+    stdout, _ = proc.communicate()
+    peak, most = rss.stop(), rss.most
+    ok, build_s = stdout.split()
     return {"jobs": jobs, "built": ok == "True", "build_s": round(float(build_s), 1),
             "wall_s": round(time.perf_counter() - start, 1),
-            "peak_tree_rss_mib": round(peak / 2**20), "compilers_at_once": most}
+            "peak_tree_rss_mib": round(peak), "compilers_at_once": most}
 
 
 def main() -> None:

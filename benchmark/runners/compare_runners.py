@@ -56,6 +56,40 @@ class ModeFailed(RuntimeError):
     """The server of one mode did not start or died; the comparison goes on without it."""
 
 
+
+class PeakRss:
+    """Peak RSS of a process tree (the process and every descendant), sampled every `interval`
+    seconds in a thread until stop(); `most` is the most processes of the tree at once, or of
+    those `counted` accepts (e.g. the C++ compilers)."""
+
+    def __init__(self, pid: int, interval: float = 0.2, counted=None) -> None:
+        import threading
+
+        import psutil
+
+        self.root, self.peak, self.most = psutil.Process(pid), 0, 0
+        self._interval, self._counted = interval, counted or (lambda proc: True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self._interval):
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+                self.most = max(self.most, sum(bool(self._counted(p)) for p in procs))
+            except psutil.Error:  # a process ended between the listing and the reading
+                pass
+
+    def stop(self) -> float:
+        """Stop sampling; the peak in MiB."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
 def unavailable_reason(mode: str) -> str | None:
     """Why `mode` cannot run on this install, or None."""
     if mode != "openvino":

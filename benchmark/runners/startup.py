@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from itertools import product
 
 
 def step_ms(gr, bs: int, steps: int = 100) -> dict | None:
@@ -90,7 +90,7 @@ def run_once(max_bs: int, threads: int, cache_dir: str, bs1_static: bool,
     """One start in a fresh process; `compile_threads` "airserve" leaves inductor's compile
     threads to the runner, a number sets TORCHINDUCTOR_COMPILE_THREADS. Samples the peak RSS of
     the process tree (inductor's compile workers and compilers included) every 0.1 s."""
-    import psutil
+    from compare_runners import PeakRss
 
     t0, launched = time.perf_counter(), time.time()
     cmd = [sys.executable, __file__, "--child", "--max-bs", str(max_bs),
@@ -103,26 +103,16 @@ def run_once(max_bs: int, threads: int, cache_dir: str, bs1_static: bool,
         env["TORCHINDUCTOR_COMPILE_THREADS"] = compile_threads
     proc = subprocess.Popen(cmd + (["--bs1-static"] if bs1_static else []), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, most = 0, 0
-    with ThreadPoolExecutor(1) as pool:  # drain the pipes while sampling
-        pipes = pool.submit(proc.communicate)
-        root = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree))
-                most = max(most, len(tree))
-            except psutil.Error:
-                pass
-            time.sleep(0.1)
-        stdout, stderr = pipes.result()
+    rss = PeakRss(proc.pid, interval=0.1)
+    stdout, stderr = proc.communicate()
+    peak = rss.stop()
     if proc.returncode != 0:
         sys.exit(f"start-up child failed ({proc.returncode}):\n{stderr[-3000:]}")
     result = json.loads(stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0  # with the step timings after start-up
     result["ready_s"] = result["ready_at"] - launched  # launch to a ready runner
-    result.update(compile_threads=compile_threads, peak_tree_rss_mib=round(peak / 2**20),
-                  max_processes=most)
+    result.update(compile_threads=compile_threads, peak_tree_rss_mib=round(peak),
+                  max_processes=rss.most)
     return result
 
 
@@ -151,7 +141,7 @@ def main() -> None:
               "store": not a.no_store,
               "bs1": "static graph" if a.bs1_static else "shared graph", "runs": [],
               "note": "shared machine: figures are noisy"}
-    for _, threads in ((i, t) for i in range(a.repeat) for t in a.compile_threads):
+    for _, threads in product(range(a.repeat), a.compile_threads):
         cache_dir = "none" if a.no_store else tempfile.mkdtemp(prefix="airserve-startup-")
         run = {}
         for kind in ("cold",) if a.no_store else ("cold", "warm"):

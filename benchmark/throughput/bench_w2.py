@@ -173,40 +173,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _PeakRss:
-    """Peak RSS of a process tree, sampled every 0.2 s in a thread."""
-
-    def __init__(self, pid: int) -> None:
-        import threading
-
-        import psutil
-
-        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.wait(0.2):
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
-            except psutil.Error:
-                pass
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.peak / 2**20
-
-
 def run_served(mode: str, job: dict, args: argparse.Namespace, log_dir: Path) -> dict:
-    from compare_runners import Server
+    from compare_runners import PeakRss, Server
 
     server = Server(_flags(job["server_args"]), _free_port(), log_dir / f"server_{mode}.log")
     with server:
-        rss = _PeakRss(server.proc.pid)  # from spawn, as for the offline workers: load included
+        rss = PeakRss(server.proc.pid)  # from spawn, as for the offline workers: load included
         load_s = server.wait_ready(args.startup_timeout)
         greedy = {"temperature": 0.0, "ignore_eos": True}
         lone = {"input_ids": job["lone_prompt"], "sampling_params": dict(greedy, max_new_tokens=1)}
@@ -233,13 +205,15 @@ def run_served(mode: str, job: dict, args: argparse.Namespace, log_dir: Path) ->
 def run_child(cmd: list[str], job: dict, tmp: Path, name: str, timeout: float) -> dict:
     """Run one worker process on `job`; its result gains `peak_rss_mb`, the peak RSS of the
     worker and its children sampled from outside (the same measure for every engine)."""
+    from compare_runners import PeakRss
+
     job_file, out_file = tmp / f"{name}.job.json", tmp / f"{name}.out.json"
     log_file = tmp / f"{name}.log"
     job_file.write_text(json.dumps(job))
     with open(log_file, "w") as log:
         proc = subprocess.Popen([*cmd, str(job_file), str(out_file)], stdout=log,
                                 stderr=subprocess.STDOUT, text=True)
-        rss = _PeakRss(proc.pid)
+        rss = PeakRss(proc.pid)
         try:
             proc.wait(timeout=timeout)
         finally:
