@@ -142,12 +142,18 @@ def test_bound_request_reads_its_inputs_in_place() -> None:
     y = compiler.first_run(fn, x, device="CPU")
     with pytest.raises(OpenVINOFallbackError, match="model input 0 .* not one of the decode"):
         compiler.bind([torch.randn(4, 96)], [y])
-    bound = compiler.bind([x], [y])
+    compiler.bind([x], [y])
+    bound = compiler.request([x])
     x.copy_(torch.randn(4, 96))
     (out,) = bound()
     with torch.no_grad():
         assert_close_to(out, model(x))
     assert bound.calls == 1
+    # Another request of the same compiled model reads other tensors in the same place.
+    other = torch.randn(4, 96)
+    (out,) = compiler.request([other])()
+    with torch.no_grad():
+        assert_close_to(out, model(other))
 
 
 @pytest.mark.parametrize("bias", [False, True])

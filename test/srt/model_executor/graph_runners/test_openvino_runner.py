@@ -23,6 +23,7 @@ except ImportError:
 
 from openvino.frontend.pytorch.torchdynamo import execute as ov_execute  # noqa: E402
 
+from airserve.srt.model_executor.graph_runners.openvino import compile as ov_compile  # noqa: E402
 from airserve.srt.model_executor.graph_runners.openvino import runner as openvino_runner  # noqa: E402
 from airserve.srt.model_executor.graph_runners.openvino.runner import (  # noqa: E402
     POOL_READERS,
@@ -118,10 +119,30 @@ def test_logits_and_kv_cache_match_eager(runners, n):
     assert ov.graph_replays - replays == STEPS and not ov.fallback_counts
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert_kv_equal(kv, ref_kv)
-    # The last steps ran in a KV-length graph compiled on demand, past the start-up one.
+    # The last steps ran past the first KV width, on a request of the start-up graph: the
+    # graphs were compiled at start-up, one per batch bucket, and never again.
     runner: OpenVINORunner = ov.graph_runner
     last = runner.kv_blocks_for(max(PROMPT_LENS[:n]) + STEPS)
     assert last > runner.kv_blocks[0] and (runner.bucket_for(n), last) in runner.graphs
+    assert set(runner.compile_seconds) == set(runner.compilers) == set(BUCKETS)
+    assert all(c.calls == 1 for c in runner.compilers.values())
+
+
+def test_one_graph_per_batch_bucket_takes_any_kv_width(runners):
+    """The block table's width is a dynamic input of each compiled model, with the width as a
+    scalar size input; requests of one model at different widths share it."""
+    eager, ov = runners
+    runner: OpenVINORunner = ov.graph_runner
+    decode(ov, prompts_for(4, eager.model_config.vocab_size), STEPS)
+    assert runner.dynamic_kv and runner.trace_blocks == runner.kv_blocks[0]
+    for bs, compiler in runner.compilers.items():
+        shapes = [i.get_partial_shape() for i in compiler.compiled_model.inputs]
+        assert sum(1 for s in shapes if s.is_dynamic) == 1  # the block table, [bs, ?]
+        assert sum(1 for s in shapes if s.rank.get_length() == 0) == 1  # its width
+        assert "kv_blocks" in compiler.input_plan
+        widths = [kv for b, kv in runner.graphs if b == bs]
+        assert all(runner.graphs[(bs, kv)].compiler is compiler for kv in widths)
+    assert len({kv for _, kv in runner.graphs}) > 1
 
 
 def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
@@ -139,8 +160,9 @@ def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
     assert ov.graph_replays - replays == 5 and not calls
     report = runner.report()
     assert report["recompiles"] == 0
-    assert set(report["compiled_graphs"]) >= {"1x32", "4x32"}  # start-up: every bs at 32
-    assert len(report["compiled_graphs"]) == len(runner.graphs)
+    assert set(report["compiled_graphs"]) == {"1", "4"}  # start-up: one graph per bs
+    assert set(report["requests"]) >= {"1x32", "4x32"} and report["kv_len_dynamic"]
+    assert len(report["requests"]) == len(runner.graphs)
     assert set(report["openvino_weights"]) == {"f32"}  # no GGUF blocks: float32 weights
     for graph in runner.graphs.values():
         compiler = graph.compiler
@@ -229,7 +251,9 @@ def test_openvino_runtime_failure_is_an_error(tiny_llama_dir, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("simulated plugin failure")
 
-    monkeypatch.setattr(ov_execute, "openvino_compile", fail)
+    # What the stock backend calls to compile its partition (in place of its own
+    # openvino_compile): it fails inside the backend's run, which switches to eager PyTorch.
+    monkeypatch.setattr(ov_compile, "_compile_partition", fail)
     with pytest.raises(GraphCaptureError, match="eager PyTorch.*simulated plugin failure"):
         ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1,)))
 

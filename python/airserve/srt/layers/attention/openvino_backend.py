@@ -6,8 +6,9 @@ tokens, through the block table, and attends to the new token's K/V separately; 
 new K/V back through the metadata, the graph returns them, and the runner writes them into the
 cache after the call.
 
-The block table has a fixed width per graph (a KV-length bucket, not the full context), so a
-step gathers `bs * kv_len` tokens per layer, whatever the pool size or context length. Two
+The block table's width is the step's KV-length bucket (not the full context; a dynamic
+dimension of the graph), so a step gathers `bs * kv_len` tokens per layer, whatever the pool
+size or context length. Two
 OpenVINO habits shape the ops (both cost the whole pool or more every step otherwise, and
 `OpenVINORunner` checks the compiled graph for the first): it moves an elementwise op with a
 constant scalar operand in front of a gather, onto the gathered-from tensor; and its Transpose
@@ -49,15 +50,13 @@ def decode_attention_with_new_token(
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    kv_len = block_table.shape[1] * page_size
-    # Row of (slot s, KV head h) in the pool seen as [num_slots * KVH, D]: s * KVH + h. Slot of
-    # cached position j of row b: page block_table[b, j // page] at offset j % page. Gathering
-    # per KV head gives K and V head-major, [bs, KVH, kv_len, D], ready for the matmuls.
+    # kv_len = block-table columns * page_size is symbolic in the compiled graph (one graph
+    # serves every KV length), so it appears in views as -1 and is never a slice bound.
     offsets = torch.arange(page_size, dtype=torch.int64, device=q.device)
     slots = (block_table.to(torch.int64)[:, :, None] * page_size + offsets).reshape(bs, 1, -1)
     heads = torch.arange(num_kv_heads, dtype=torch.int64, device=q.device)
     rows = (slots * num_kv_heads + heads[None, :, None]).reshape(-1)  # [bs * KVH * kv_len]
-    shape = (bs, num_kv_heads, kv_len, head_dim)
+    shape = (bs, num_kv_heads, -1, head_dim)
     keys = k_cache.reshape(-1, head_dim).index_select(0, rows).view(shape).float()
     values = v_cache.reshape(-1, head_dim).index_select(0, rows).view(shape).float()
 
@@ -66,13 +65,17 @@ def decode_attention_with_new_token(
     qg = q.view(bs, num_kv_heads, group, head_dim).float() * scale  # [bs, KVH, G, D]
     cached = torch.matmul(qg, keys.transpose(2, 3))  # [bs, KVH, G, kv_len]
     # The cache holds seq_len - 1 tokens of each row; later columns are other pages or padding.
-    positions = torch.arange(kv_len, dtype=torch.int64, device=q.device)
+    positions = torch.arange(keys.shape[2], dtype=torch.int64, device=q.device)
     valid = positions[None, :] < (seq_lens.to(torch.int64) - 1)[:, None]  # [bs, kv_len]
     cached = cached.masked_fill(~valid[:, None, None, :], float("-inf"))
     own = (qg * k.float()[:, :, None, :]).sum(-1, keepdim=True)  # [bs, KVH, G, 1], not masked
-    probs = torch.softmax(torch.cat((cached, own), dim=-1), dim=-1)
-    out = torch.matmul(probs[..., :kv_len], values)  # [bs, KVH, G, D]
-    out = out + probs[..., kv_len:] * v.float()[:, :, None, :]
+    # Softmax over the cached scores and the token's own one, written out (no concatenation
+    # and slicing at a symbolic length).
+    top = torch.maximum(cached.amax(-1, keepdim=True), own)
+    weights = torch.exp(cached - top)
+    own_weight = torch.exp(own - top)
+    total = weights.sum(-1, keepdim=True) + own_weight
+    out = (torch.matmul(weights, values) + own_weight * v.float()[:, :, None, :]) / total
     return out.reshape(bs, num_heads, head_dim).to(q.dtype)
 
 

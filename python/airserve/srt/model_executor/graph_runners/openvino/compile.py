@@ -114,6 +114,53 @@ def _backend_debug_records() -> Iterator[list[logging.LogRecord]]:
             log.propagate = propagate
 
 
+_ELEMENT_TYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+                  torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8",
+                  torch.bool: "boolean"}
+
+
+def _compile_partition(gm: torch.fx.GraphModule, *args, model_hash_str=None, options=None):
+    """Convert and compile one OpenVINO partition; what the stock backend's `openvino_compile`
+    does with model caching off, except for symbolic sizes.
+
+    A graph traced with a dynamic dimension (the decode graph's KV length) takes the size as an
+    int input. The OpenVINO front end converts it to a scalar parameter; the stock function then
+    declares every int input of shape [1] (openvino 2026.4.1,
+    frontend/pytorch/torchdynamo/compile.py), which breaks validation wherever the size joins
+    a shape list (a view or expand after a matmul's decomposition). Here it stays a scalar, and
+    tensor inputs keep the front end's shapes, -1 where dynamo made a dimension symbolic."""
+    import openvino
+    from openvino.frontend import FrontEndManager
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+
+    decoder = TorchFXPythonDecoder(gm)
+    front_end = FrontEndManager().load_by_framework("pytorch")
+    model = front_end.convert(front_end.load(decoder))
+    for i, arg in enumerate(args):
+        param = model.inputs[i].get_node()
+        if isinstance(arg, int):
+            param.set_element_type(openvino.Type.i64)
+            param.set_partial_shape(openvino.PartialShape([]))
+        else:
+            param.set_element_type(getattr(openvino.Type, _ELEMENT_TYPES[arg.dtype]))
+            param.set_partial_shape(openvino.PartialShape(list(decoder.input_shapes[i])))
+    model.validate_nodes_and_infer_types()
+    return openvino.Core().compile_model(model, options["device"], options["config"])
+
+
+@contextlib.contextmanager
+def _symbolic_size_compile() -> Iterator[None]:
+    """The stock backend compiles its partitions with `_compile_partition` meanwhile."""
+    from openvino.frontend.pytorch.torchdynamo import execute
+
+    stock = execute.openvino_compile
+    execute.openvino_compile = _compile_partition
+    try:
+        yield
+    finally:
+        execute.openvino_compile = stock
+
+
 def _reason(records: list[logging.LogRecord]) -> str:
     failures = [r.getMessage() for r in records if "fail" in r.getMessage().lower()]
     return failures[-1].strip() if failures else "no reason logged by the openvino backend"
@@ -137,6 +184,8 @@ class OpenVINOCompiler:
         self.calls = 0
         self.records: list[logging.LogRecord] = []
         self.partition = None  # the OpenVINO-run submodule of `fused`, once verified
+        self.input_plan: list[int | str] = []  # per model input: an input's index or a size
+        self.output_order: list[int] = []  # per output of the step: OpenVINO's output index
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._dynamo.backends.registry import lookup_backend
@@ -181,7 +230,7 @@ class OpenVINOCompiler:
         from openvino.frontend.pytorch.torchdynamo import execute
 
         before = set(execute.partitioned_modules)
-        with _backend_debug_records() as records:
+        with _backend_debug_records() as records, _symbolic_size_compile():
             try:
                 out = fn(*args)
             except Exception as e:
@@ -231,27 +280,35 @@ class OpenVINOCompiler:
             raise OpenVINOFallbackError(f"OpenVINO ran the graph on {ran_on}, not on {device}")
         self.partition = part
 
-    def bind(self, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]
-             ) -> BoundRequest:
-        """An infer request of this graph's compiled model reading `inputs` in place, for
-        replay without dynamo's frame evaluation or the stock backend's per-call conversions.
+    def bind(self, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor],
+             sizes: dict[int, str] | None = None) -> None:
+        """Learn how replay feeds the compiled model, from the first run: call after
+        `first_run(fn, *args)` with the tensors of `args` (`inputs`), what `fn` returned
+        (`outputs`) and the example value of each symbolic size (`sizes`, value -> name).
 
-        Call after `first_run(fn, *args)`: `inputs` are the tensors of `args` (at fixed
-        addresses from now on), `outputs` what `fn` returned. Each model input and output is
-        matched by address to the tensor the stock backend handed to (got from) OpenVINO in
-        that run; a tensor that does not match is an OpenVINOFallbackError."""
+        Each model input is matched by address to the tensor the stock backend handed to
+        OpenVINO, or, for a scalar input (a dynamic dimension's size), by value to a name of
+        `sizes`; each output of `fn` by address to an OpenVINO output buffer. Anything that
+        does not match is an OpenVINOFallbackError. `request` then binds new tensors in the
+        same places."""
         from openvino.frontend.pytorch.torchdynamo import execute
 
         stock = execute.req_cache[self.partition.partition_id]
-        by_address = {t.data_ptr(): t for t in inputs}
-        bound = []
+        inputs = list(inputs)
+        by_address = {t.data_ptr(): j for j, t in enumerate(inputs)}
+        sizes = sizes or {}
+        plan: list[int | str] = []
         for i in range(len(stock.model_inputs)):
-            tensor = by_address.get(stock.get_input_tensor(i).data.ctypes.data)
-            if tensor is None:
+            fed = stock.get_input_tensor(i).data
+            if fed.ndim == 0 and int(fed) in sizes:
+                plan.append(sizes[int(fed)])
+                continue
+            j = by_address.get(fed.ctypes.data)
+            if j is None:
                 raise OpenVINOFallbackError(
                     f"OpenVINO model input {i} ({stock.model_inputs[i]}) is not one of the "
                     "decode step's input tensors: the graph cannot be replayed in place")
-            bound.append(tensor)
+            plan.append(j)
         addresses = [stock.get_output_tensor(i).data.ctypes.data
                      for i in range(len(stock.model_outputs))]
         order = []
@@ -260,7 +317,15 @@ class OpenVINOCompiler:
                 raise OpenVINOFallbackError(
                     f"output {j} of the decode step is not an OpenVINO output buffer")
             order.append(addresses.index(out.data_ptr()))
-        return BoundRequest(self.compiled_model, bound, order)
+        self.input_plan, self.output_order = plan, order
+
+    def request(self, inputs: list[torch.Tensor], sizes: dict[str, torch.Tensor] | None = None
+                ) -> BoundRequest:
+        """A new infer request of the compiled model reading `inputs` (ordered as `bind` was
+        given them) and the 0-d int64 tensors of `sizes` in place."""
+        sizes = sizes or {}
+        tensors = [sizes[p] if isinstance(p, str) else inputs[p] for p in self.input_plan]
+        return BoundRequest(self.compiled_model, tensors, self.output_order)
 
     @property
     def compiled_model(self):

@@ -1,11 +1,14 @@
-"""Decode graphs compiled by OpenVINO (Intel CPU, GPU, NPU): one per (batch size, KV length).
+"""Decode graphs compiled by OpenVINO (Intel CPU, GPU, NPU): one per batch size, any KV length.
 
-Two bucket dimensions. Batch size, as in every runner (powers of two by default). KV length: a
-graph gathers a fixed number of cached tokens per row, `kv_len` = block-table columns * page
-size, from a ladder 256, 512, 1024, ... up to the context length; a step runs the smallest
-graph whose `kv_len` covers the longest live sequence. So the work per step follows the live
-context (within 2x), never the context length or the KV pool size. The KV pool is a graph input
-that OpenVINO reads in place (only through gathers; `_check_pool_reads` warns otherwise).
+Batch size is bucketed as in every runner (powers of two by default). KV length is a dynamic
+dimension of each graph: a step gathers a fixed number of cached tokens per row, `kv_len` =
+block-table columns * page size, from a ladder 256, 512, 1024, ... up to the context length,
+the smallest width that covers the longest live sequence. So the work per step follows the live
+context (within 2x), never the context length or the KV pool size. The graph is traced once
+per batch size with the block table's width symbolic; each (batch size, width) pair gets its own
+infer request of that one compiled model, bound the first time a batch needs it (no compile, no
+stall). The KV pool is a graph input that OpenVINO reads in place (only through gathers;
+`_check_pool_reads` warns otherwise).
 
 The graph never writes the cache (OpenVINO loses in-place writes): it attends over the cached
 tokens plus the new token's K/V and returns the new K/V, which `replay_bucket` writes at
@@ -19,13 +22,11 @@ blocks, keeps the float32 weights.
 
 Compile cost: each graph is a full trace and OpenVINO compile (default model, 2 cores: ~30 s
 packed, ~17 s float32) and holds its own copy of the weights (~100 MiB packed, ~0.5 GB
-float32). Start-up compiles every batch bucket at the smallest KV length, so short contexts
-never stall; a longer KV length is compiled the first time a batch needs it (one stall per
-pair, logged, verified and reported). Compiling every pair eagerly would cost (buckets x KV
-lengths) compiles and copies of the weights, most of them never used.
+float32), once per batch bucket, all at start-up.
 
-Replay calls each graph's `BoundRequest`: an OpenVINO infer request of the verified compiled
-model whose inputs are the static decode tensors and the KV pool, shared in place.
+Replay calls a `BoundRequest`: an OpenVINO infer request of the verified compiled model whose
+inputs are the static decode tensors, the block table of its width (with that width as the
+graph's size input) and the KV pool, shared in place.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ POOL_READERS = frozenset({"Reshape", "Gather"})
 
 @dataclass
 class DecodeGraph:
-    """One compiled decode graph and how replay calls it."""
+    """How replay runs one (batch size, KV width) pair: a request of its bucket's graph."""
 
-    compiler: OpenVINOCompiler  # what compiled it; the verified OpenVINO model
+    compiler: OpenVINOCompiler  # what compiled the bucket's graph; the verified OpenVINO model
     table: torch.Tensor  # [bs, kv_blocks] int32, the block-table input, refilled per step
     run: BoundRequest  # -> [logits, new K/V] over OpenVINO's output buffers
 
@@ -119,8 +120,13 @@ class OpenVINORunner(GraphRunner):
                 logger.info("--openvino-weights packed: the model has no GGUF Q4_0/Q4_1/Q8_0 "
                             "blocks; OpenVINO graphs use its %s weights", model_runner.dtype)
         self.frozen = list(self.ov_model.parameters()) + list(self.ov_model.buffers())
-        self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (bs, kv_blocks) -> graph
-        self.compile_seconds: dict[tuple[int, int], float] = {}
+        # Traced at one width, symbolic where there is more than one (dynamo specializes sizes
+        # 0 and 1, so never at a width of one column).
+        self.dynamic_kv = len(self.kv_blocks) > 1
+        self.trace_blocks = next((b for b in self.kv_blocks if b > 1), self.kv_blocks[-1])
+        self.compilers: dict[int, OpenVINOCompiler] = {}  # bs -> its compiled graph
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (bs, kv_blocks) -> request
+        self.compile_seconds: dict[int, float] = {}
         self.warned_pool_reads = False
         super().__init__(model_runner)
 
@@ -140,40 +146,52 @@ class OpenVINORunner(GraphRunner):
         logits = self.ov_model(input_ids, positions, fb)
         return logits, torch.stack(meta.new_k + meta.new_v)
 
-    def _decode_step_copy(self, bs: int, kv_blocks: int):
+    def _decode_step_copy(self, bs: int):
         """`decode_step` on its own code object: dynamo keeps compiled graphs per code object,
         so each graph gets a cache of one entry (no walk over every graph's guards per step)."""
-        return renamed_method(OpenVINORunner.decode_step, self,
-                              f"decode_step_bs{bs}_kv{kv_blocks}")
+        return renamed_method(OpenVINORunner.decode_step, self, f"decode_step_bs{bs}")
 
     # Capture.
     def max_compiled_graphs(self) -> int:
-        return len(self.buckets) * len(self.kv_blocks) + 1
+        return len(self.buckets) + 1
 
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
-        self._compile(bs, self.kv_blocks[0], fb)
-
-    def _compile(self, bs: int, kv_blocks: int, fb: ForwardBatch) -> DecodeGraph:
-        """Compile (and verify) the graph of `bs` rows and `kv_blocks` block-table columns,
-        then bind an infer request to the static inputs of bucket `bs`."""
+        """Compile (and verify) the graph of `bs` rows, its block-table width symbolic, and
+        bind its first request, at the width it was traced with."""
         compiler = OpenVINOCompiler(self.options, self.frozen)
-        fn = torch.compile(self._decode_step_copy(bs, kv_blocks), backend=compiler,
-                           fullgraph=True, dynamic=False)
-        # The graph's block-table input: the first kv_blocks columns of the bucket's table,
-        # copied here before each call.
-        table = fb.attn_metadata[:, :kv_blocks].contiguous()
+        fn = torch.compile(self._decode_step_copy(bs), backend=compiler, fullgraph=True,
+                           dynamic=False)
+        table = fb.attn_metadata[:, :self.trace_blocks].contiguous()
+        if self.dynamic_kv:
+            torch._dynamo.mark_dynamic(table, 1)  # an error, not a silent specialization
         step = (fb.input_ids, fb.positions, fb.seq_lens, table)
         k, v = self.kv_cache.k_buffers, self.kv_cache.v_buffers
         start = time.perf_counter()
         out = compiler.first_run(fn, *step, k, v, device=self.ov_device)
-        self.compile_seconds[(bs, kv_blocks)] = time.perf_counter() - start
-        graph = DecodeGraph(compiler, table, compiler.bind([*step, *k, *v], out))
-        self.graphs[(bs, kv_blocks)] = graph
+        self.compile_seconds[bs] = time.perf_counter() - start
+        compiler.bind([*step, *k, *v], out,
+                      sizes={self.trace_blocks: "kv_blocks"} if self.dynamic_kv else None)
+        self.compilers[bs] = compiler
         self._check_pool_reads(compiler)
-        logger.info("OpenVINO decode graph bs=%d kv_len=%d compiled in %.1fs (%s, %s, weights %s)",
-                    bs, kv_blocks * self.page_size, self.compile_seconds[(bs, kv_blocks)],
+        self._request(bs, self.trace_blocks, fb, table)
+        logger.info("OpenVINO decode graph bs=%d compiled in %.1fs (kv_len %s, %s, %s, "
+                    "weights %s)", bs, self.compile_seconds[bs],
+                    "dynamic" if self.dynamic_kv else self.trace_blocks * self.page_size,
                     self.ov_device, self.options["config"]["INFERENCE_PRECISION_HINT"],
                     self.weights_report())
+
+    def _request(self, bs: int, kv_blocks: int, fb: ForwardBatch,
+                 table: torch.Tensor | None = None) -> DecodeGraph:
+        """An infer request of bucket `bs`'s graph over a block table `kv_blocks` wide; a
+        request, not a compile: milliseconds."""
+        if table is None:
+            table = fb.attn_metadata[:, :kv_blocks].contiguous()
+        k, v = self.kv_cache.k_buffers, self.kv_cache.v_buffers
+        compiler = self.compilers[bs]
+        size = {"kv_blocks": torch.tensor(kv_blocks, dtype=torch.int64)}  # a 0-d input
+        graph = DecodeGraph(compiler, table, compiler.request(
+            [fb.input_ids, fb.positions, fb.seq_lens, table, *k, *v], size))
+        self.graphs[(bs, kv_blocks)] = graph
         return graph
 
     def _check_pool_reads(self, compiler: OpenVINOCompiler) -> None:
@@ -202,11 +220,7 @@ class OpenVINORunner(GraphRunner):
 
     def replay_bucket(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
         kv_blocks = self.kv_blocks_for(max(fb.seq_lens_cpu))
-        graph = self.graphs.get((bs, kv_blocks))
-        if graph is None:
-            logger.info("decode batch needs KV length %d at bs=%d: compiling it now",
-                        kv_blocks * self.page_size, bs)
-            graph = self._compile(bs, kv_blocks, fb)
+        graph = self.graphs.get((bs, kv_blocks)) or self._request(bs, kv_blocks, fb)
         # fb.attn_metadata: the [bs, max_blocks] block table the replay hook filled.
         graph.table.copy_(fb.attn_metadata[:, :kv_blocks])
         # Straight to OpenVINO: no dynamo frame evaluation (guards over every weight and KV
@@ -225,9 +239,9 @@ class OpenVINORunner(GraphRunner):
     def weights_report(self) -> dict[str, int]:
         """Weight element types of the compiled matmuls, e.g. {"u4": 210, "i8": 1}: what
         OpenVINO really multiplies with (it would show "f32" had it decompressed the blocks)."""
-        if not self.graphs:
+        if not self.compilers:
             return {}
-        return next(iter(self.graphs.values())).compiler.matmul_weight_types()
+        return next(iter(self.compilers.values())).matmul_weight_types()
 
     def report(self) -> dict:
         report = super().report()
@@ -236,8 +250,10 @@ class OpenVINORunner(GraphRunner):
             openvino_precision=self.options["config"]["INFERENCE_PRECISION_HINT"],
             openvino_weights=self.weights_report(),
             kv_len_buckets=[b * self.page_size for b in self.kv_blocks],
-            compiled_graphs={f"{bs}x{kv * self.page_size}": round(s, 3)
-                             for (bs, kv), s in sorted(self.compile_seconds.items())},
-            recompiles=sum(g.compiler.calls - 1 for g in self.graphs.values()),
+            kv_len_dynamic=self.dynamic_kv,
+            compiled_graphs={str(bs): round(t, 3)
+                             for bs, t in sorted(self.compile_seconds.items())},
+            requests=[f"{bs}x{kv * self.page_size}" for bs, kv in sorted(self.graphs)],
+            recompiles=sum(c.calls - 1 for c in self.compilers.values()),
         )
         return report
