@@ -77,8 +77,11 @@ class Router:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    # The workers want an API key, as any reachable from other machines should.
-    workers = [ServerProcess(tiny_llama_dir, "--max-total-tokens", "8192") for _ in range(2)]
+    # The workers want an API key, as any reachable from other machines should. One running
+    # request each: the rest wait in the worker's queue, so the killed worker still holds
+    # requests when the test sees them all dispatched, even on a fast or a busy machine.
+    workers = [ServerProcess(tiny_llama_dir, "--max-total-tokens", "8192",
+                             "--max-running-requests", "1") for _ in range(2)]
     router = None
     try:
         for worker in workers:
