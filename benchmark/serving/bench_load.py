@@ -16,6 +16,8 @@ the table. Workloads:
 
 Columns: output tok/s, TTFT p50/p99, ITL p50/p99 (ms), the cache hit rate of the run, and
 for gsm8k the accuracy and whether greedy answers equal those of the first configuration.
+With --rounds N every configuration runs N times, the configurations alternating within each
+round; the table shows the median of each column and, for the Poisson run, every round.
 Under the table, the Poisson run's steps: mean ms per step of each kind (decode, prefill,
 mixed) and band of decode rows, from the server's step spans (every workload's are in the
 JSON as `step_spans`).
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,6 +179,22 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path, record: dict,
         record["scheduler_counts"] = {k: info["stats"].get(k) for k in SCHEDULER_COUNTS}
 
 
+def median_records(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per configuration and workload, the median over rounds of each column; the rest of a
+    record (spans, flags, counts, gsm8k outputs) from its first round. One round: itself."""
+    merged: dict[str, dict] = {}
+    for name, first in rounds[0].items():
+        rec = merged[name] = {**first, "workloads": {}}
+        rec["error"] = next((r[name]["error"] for r in rounds if r[name]["error"]), None)
+        for workload, row in first["workloads"].items():
+            runs = [r[name]["workloads"][workload] for r in rounds
+                    if workload in r[name]["workloads"]]
+            rec["workloads"][workload] = {**row, "rounds": len(runs), **{
+                c: statistics.median(x[c] for x in runs) for c in COLUMNS
+                if all(x.get(c) is not None for x in runs)}}
+    return merged
+
+
 def answers_check(records: dict) -> dict:
     """Whether every configuration's gsm8k outputs equal the first configuration's."""
     outs = {n: r["workloads"].get("gsm8k", {}).get("outputs") for n, r in records.items()}
@@ -187,7 +206,7 @@ def answers_check(records: dict) -> dict:
             if n != ref_name}
 
 
-def markdown(records: dict, check: dict) -> str:
+def markdown(records: dict, check: dict, rounds: list[dict[str, dict]]) -> str:
     lines = ["| workload | config | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
              "cache hits | gsm8k |", "|" + "---|" * 9]
     order = list(dict.fromkeys(w for r in records.values() for w in r["workloads"]))
@@ -207,7 +226,24 @@ def markdown(records: dict, check: dict) -> str:
                     f"{row[c]:.0f}" for c in COLUMNS[1:]] + [f"{row['cache_hit_rate']:.0%}", ""]
             lines.append(f"| {workload} | {name} | " + " | ".join(cells) + " |")
     errors = [f"- {n}: {r['error']}" for n, r in records.items() if r.get("error")]
-    return "\n".join(lines + spans_table(records) + ([""] + errors if errors else [])) + "\n"
+    return "\n".join(lines + rounds_table(rounds) + spans_table(records)
+                     + ([""] + errors if errors else [])) + "\n"
+
+
+def rounds_table(rounds: list[dict[str, dict]], workload: str = "poisson") -> list[str]:
+    """Each round's figures of one workload, when there is more than one round."""
+    if len(rounds) < 2:
+        return []
+    lines = ["", f"The {workload} run, round by round:", "",
+             "| round | config | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+             "|" + "---|" * 7]
+    for r, records in enumerate(rounds, 1):
+        for name, rec in records.items():
+            row = rec["workloads"].get(workload)
+            if row:
+                lines.append(f"| {r} | {name} | {row['output_throughput']:.1f} | " + " | ".join(
+                    f"{row[c]:.0f}" for c in COLUMNS[1:]) + " |")
+    return lines if len(lines) > 5 else []
 
 
 def spans_table(records: dict, workload: str = "poisson") -> list[str]:
@@ -259,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson rate (req/s); default: --poisson-fraction of capacity")
     p.add_argument("--poisson-fraction", type=float, default=0.9)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, alternating; the table "
+                        "shows medians, the JSON every round")
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--startup-timeout", type=float, default=1800.0)
@@ -281,21 +320,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     state = {"rate": args.request_rate}
-    for name in args.configs:
-        record = records[name] = {"workloads": {}, "error": None}
-        print(f"\n===== {name} =====", flush=True)
-        try:
-            run_config(name, args, out_dir, record, state)
-        except (ModeFailed, bench_serving.BenchmarkError, OSError) as e:
-            record["error"] = f"{type(e).__name__}: {e}"
-            print(f"config {name} failed: {record['error']}", file=sys.stderr)
-    check = answers_check(records)
+    # Configurations alternate within each round, so a slow spell of the machine falls on
+    # every one of them rather than on whichever ran then.
+    for r in range(args.rounds):
+        records: dict[str, dict] = {}
+        rounds.append(records)
+        for name in args.configs:
+            record = records[name] = {"workloads": {}, "error": None}
+            print(f"\n===== {name} (round {r + 1} of {args.rounds}) =====", flush=True)
+            try:
+                run_config(name, args, out_dir, record, state)
+            except (ModeFailed, bench_serving.BenchmarkError, OSError) as e:
+                record["error"] = f"{type(e).__name__}: {e}"
+                print(f"config {name} failed: {record['error']}", file=sys.stderr)
+    records = median_records(rounds)
+    check = answers_check(rounds[0])
     results = {"config": vars(args), "poisson_rate": state["rate"], "records": records,
-               "gsm8k_differs": check}
+               "gsm8k_differs": check, "rounds": rounds}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    table = markdown(records, check)
+    table = markdown(records, check, rounds)
     (out_dir / "results.md").write_text(table, encoding="utf-8")
     print("\n" + table)
     print(f"wrote {out_dir}/results.json and results.md")
