@@ -108,20 +108,33 @@ def test_kv_len_buckets_cover_the_context_in_whole_pages():
     assert kv_len_buckets(100, 1) == [100]
 
 
+def static_and_dynamic_calls(runner: OpenVINORunner) -> tuple[int, int]:
+    graphs = runner.graphs.values()
+    return (sum(g.static.calls for g in graphs if g.static), sum(g.dynamic.calls for g in graphs))
+
+
 # Parity with eager, every bucket, padded sizes, page boundaries, KV buckets.
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_logits_and_kv_cache_match_eager(runners, n):
+    """Twice: first with whatever static graphs are ready (a width first seen here runs on the
+    dynamic graph until its static one is compiled), then with every width static."""
     eager, ov = runners
+    runner: OpenVINORunner = ov.graph_runner
     prompts = prompts_for(n, eager.model_config.vocab_size)
     ref_logits, ref_tokens, ref_kv = decode(eager, prompts, STEPS)
-    replays = ov.graph_replays
-    logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
-    assert ov.graph_replays - replays == STEPS and not ov.fallback_counts
-    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    assert_kv_equal(kv, ref_kv)
+    for _ in range(2):
+        replays = ov.graph_replays
+        logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
+        assert ov.graph_replays - replays == STEPS and not ov.fallback_counts
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+        assert_kv_equal(kv, ref_kv)
+        runner.wait_static()
+    before = static_and_dynamic_calls(runner)
+    decode(ov, prompts, STEPS, forced=ref_tokens)
+    after = static_and_dynamic_calls(runner)
+    assert after[0] - before[0] == STEPS and after[1] == before[1]  # static graphs only
     # The last steps ran past the first KV width, on a request of the start-up graph: the
     # graphs were compiled at start-up, one per batch bucket, and never again.
-    runner: OpenVINORunner = ov.graph_runner
     last = runner.kv_blocks_for(max(PROMPT_LENS[:n]) + STEPS)
     assert last > runner.kv_blocks[0] and (runner.bucket_for(n), last) in runner.graphs
     assert set(runner.compile_seconds) == set(runner.compilers) == set(BUCKETS)
@@ -145,6 +158,47 @@ def test_one_graph_per_batch_bucket_takes_any_kv_width(runners):
     assert len({kv for _, kv in runner.graphs}) > 1
 
 
+def test_each_width_is_compiled_again_with_static_shapes(runners):
+    """Every (bs, width) pair gets its own static graph (the width a constant), compiled from
+    the bucket's converted model without a re-trace, and replay switches to it."""
+    eager, ov = runners
+    runner: OpenVINORunner = ov.graph_runner
+    decode(ov, prompts_for(4, eager.model_config.vocab_size), STEPS)
+    runner.wait_static()
+    report = runner.report()
+    assert report["static_failures"] == 0
+    assert set(report["static_requests"]) == set(report["requests"])
+    for (bs, kv), graph in runner.graphs.items():
+        assert graph.run is graph.static
+        shapes = [i.get_partial_shape() for i in graph.static.request.get_compiled_model().inputs]
+        assert not any(s.is_dynamic for s in shapes)
+        assert all(s.rank.get_length() > 0 for s in shapes)  # no size input left
+        assert [bs, kv] in [[d.get_length() for d in s] for s in shapes]  # the block table
+        assert graph.compiler.calls == 1  # no re-trace
+    assert all(c.calls == 1 for c in runner.compilers.values())
+
+
+def test_a_failed_static_compile_keeps_the_dynamic_graph(runners, monkeypatch, caplog):
+    eager, ov = runners
+    runner: OpenVINORunner = ov.graph_runner
+    runner.wait_static()
+    (bs, kv), graph = next(iter(runner.graphs.items()))
+    static, failures = graph.static, runner.static_failures
+    graph.static = None
+
+    def fail(self, inputs, sizes):
+        raise RuntimeError("no compile today")
+
+    monkeypatch.setattr(ov_compile.OpenVINOCompiler, "specialize", fail)
+    try:
+        with caplog.at_level("WARNING"):
+            runner._specialize(graph, bs, kv)
+        assert graph.run is graph.dynamic and runner.static_failures == failures + 1
+        assert "no compile today" in caplog.text and "dynamic KV width" in caplog.text
+    finally:
+        graph.static = static
+
+
 def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
     eager, ov = runners
     calls = []
@@ -152,11 +206,11 @@ def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
     monkeypatch.setattr(ov_execute, "openvino_execute",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     runner: OpenVINORunner = ov.graph_runner
-    infers = sum(g.run.calls for g in runner.graphs.values())
+    infers = sum(g.calls for g in runner.graphs.values())
     replays = ov.graph_replays
     decode(ov, prompts_for(3, eager.model_config.vocab_size), 5)
     # One OpenVINO inference per step, on the bound request (not through the stock backend).
-    assert sum(g.run.calls for g in runner.graphs.values()) - infers == 5
+    assert sum(g.calls for g in runner.graphs.values()) - infers == 5
     assert ov.graph_replays - replays == 5 and not calls
     report = runner.report()
     assert report["recompiles"] == 0
@@ -168,7 +222,7 @@ def test_every_graph_ran_in_openvino_without_recompiles(runners, monkeypatch):
         compiler = graph.compiler
         assert compiler.calls == 1 and not compiler.partition.perm_fallback
         assert list(compiler.compiled_model.get_property("EXECUTION_DEVICES")) == ["CPU"]
-        assert graph.run.request.get_compiled_model().inputs == compiler.compiled_model.inputs
+        assert graph.dynamic.request.get_compiled_model().inputs == compiler.compiled_model.inputs
 
 
 def test_kv_pool_inputs_are_only_gathered(runners):
@@ -215,6 +269,11 @@ def test_gguf_blocks_run_as_compressed_weights(tmp_path, small_kv_buckets):
     ref_logits, ref_tokens, ref_kv = decode(eager, prompts, STEPS)
     logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
     assert ov.graph_replays == STEPS and not ov.fallback_counts
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert_kv_equal(kv, ref_kv)
+    ov.graph_runner.wait_static()  # the compressed weights in the static graphs too
+    assert all(g.static for g in ov.graph_runner.graphs.values())
+    logits, _, kv = decode(ov, prompts, STEPS, forced=ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert_kv_equal(kv, ref_kv)
 

@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def trim_heap() -> bool:
+    """Return the heap pages freed by a compile to the OS (glibc's `malloc_trim`); False where
+    the C library has none. Compiles free most of what they allocate, but glibc keeps the pages
+    in the process: after the OpenVINO runner compiled the default model's decode graph at two
+    KV widths, the process held 4292 MiB, 1976 MiB after a trim (2-core AMD EPYC)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
 # Largest captured batch when --cuda-graph-max-bs is unset (capped by --max-running-requests).
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
@@ -233,6 +249,7 @@ class GraphRunner(ABC):
                 ) from e
             self.capture_seconds[bs] = time.perf_counter() - start
         bar.close()
+        trim_heap()
         self.memory_bytes = max(0, self.memory_in_use() - before)
         self.log_report()
 
