@@ -1,6 +1,7 @@
 """The decode-aware prefill budget (--decode-chunked-prefill-size) on a tiny random model:
-while requests decode a prefill step takes at most the budget and never follows another prefill
-step, an idle server keeps the full chunk, and greedy outputs do not depend on the budget."""
+while requests decode, and outnumber the prompts waiting, a prefill step takes at most the
+budget and never follows another prefill step; an idle server, or one with as many prompts
+waiting as streams running, keeps the full chunk; greedy outputs do not depend on the budget."""
 
 from __future__ import annotations
 
@@ -25,16 +26,19 @@ def engine(request, tiny_llama_dir):
 
 
 class TracingScheduler(Scheduler):
-    """Records each step as (prefill tokens, decode rows, streams decoding when built)."""
+    """Records each step as (prefill tokens, decode rows, streams decoding when built); and in
+    `limited` whether the budget held then (more streams decoding than prompts waiting)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trace: list[tuple[int, int, int]] = []
+        self.limited: list[bool] = []
 
     def next_batch(self):
-        decoding = len(self.running)
+        decoding, waiting = len(self.running), self.num_waiting()
         batch = super().next_batch()
         if batch is not None:
+            self.limited.append(decoding > waiting)
             rows = [r.extend_len for r in batch.reqs]
             if batch.fb.forward_mode == ForwardMode.DECODE:
                 self.trace.append((0, len(rows), decoding))
@@ -42,6 +46,10 @@ class TracingScheduler(Scheduler):
                 n_prefill = len(rows) - (decoding if self.config.enable_mixed_chunk else 0)
                 self.trace.append((sum(rows[:n_prefill]), len(rows) - n_prefill, decoding))
         return batch
+
+    def limited_prefill(self) -> list[int]:
+        """Prompt tokens of each prefill step built while the budget held."""
+        return [t for (t, _, _), held in zip(self.trace, self.limited) if t and held]
 
 
 def run_staggered(engine: Engine, prompts: list[list[int]], **config) -> TracingScheduler:
@@ -87,7 +95,7 @@ def test_budget_applies_only_while_requests_decode(engine):
     sched = run_staggered(engine, prompts, chunked_prefill_size=CHUNK,
                           decode_chunked_prefill_size=6)
     prefill = [(tokens, decoding) for tokens, _, decoding in sched.trace if tokens]
-    assert max(t for t, decoding in prefill if decoding) <= 6
+    assert sched.limited_prefill() and max(sched.limited_prefill()) <= 6
     # Idle, the first two prompts (40 and 29 + 20 tokens) are read a full chunk per step.
     assert prefill[0] == (CHUNK, 0)
     assert sched.stats["prefill_budget_limited_steps"] > 0
@@ -97,16 +105,19 @@ def test_budget_applies_only_while_requests_decode(engine):
 def test_no_two_prefill_steps_in_a_row_while_streams_wait(engine):
     prompts = make_prompts(engine.model_runner.model_config.vocab_size)
 
-    def back_to_back(trace) -> int:
-        """Prefill steps built while streams decoded that came right after a prefill step."""
-        return sum(1 for prev, cur in zip(trace, trace[1:]) if prev[0] and cur[0] and cur[2])
+    def back_to_back(sched, limited: bool = True) -> int:
+        """Prefill steps built while the budget held (or while streams decoded, with `limited`
+        False) that came right after a prefill step."""
+        trace = sched.trace
+        return sum(1 for prev, cur, held in zip(trace, trace[1:], sched.limited[1:])
+                   if prev[0] and cur[0] and (held if limited else cur[2]))
 
     budgeted = run_staggered(engine, prompts, chunked_prefill_size=CHUNK,
                              decode_chunked_prefill_size=6)
-    assert back_to_back(budgeted.trace) == 0
+    assert back_to_back(budgeted) == 0
     # Without the budget the same arrivals prefill back to back: the check above can fail.
     plain = run_staggered(engine, prompts, chunked_prefill_size=CHUNK)
-    assert back_to_back(plain.trace) > 0
+    assert back_to_back(plain) > 0
     assert plain.stats["prefill_budget_limited_steps"] == 0
     assert plain.stats["interleaved_decode_steps"] == 0
 
@@ -123,9 +134,33 @@ def test_greedy_outputs_do_not_depend_on_the_budget(engine, reference, config):
     sched = run_staggered(engine, prompts, **config)
     assert sched.outputs == reference.outputs
     budget = config["decode_chunked_prefill_size"]
-    assert max(t for t, _, decoding in sched.trace if decoding) <= budget
+    assert max(sched.limited_prefill(), default=0) <= budget
     if config.get("enable_mixed_chunk"):
         assert sched.stats["mixed_steps"] > 0
+
+
+def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine):
+    """One stream decodes, then four prompts arrive at once: they outnumber it, so prefill runs
+    full chunks back to back until fewer wait than decode; then the budget holds again."""
+    vocab = engine.model_runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 40, 40, 40, 40)]
+    eos = eos_token_ids(engine.model_runner, engine.tokenizer)
+    sched = TracingScheduler(engine.model_runner, eos, SchedulerConfig(
+        chunked_prefill_size=CHUNK, decode_chunked_prefill_size=6, radix_cache=False))
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 40})
+    reqs = [build_req(engine.tokenizer, p, params) for p in prompts]
+    sched.add_request(reqs[0])
+    sched.step()  # its prefill; it decodes from now on
+    for req in reqs[1:]:
+        sched.add_request(req)
+    while not all(r.finished for r in reqs):
+        sched.step()
+        sched.kv.audit(sched.holders())
+    wave = [(t, d) for t, _, d in sched.trace[1:] if t]
+    assert wave[0] == (CHUNK, 1) and wave[1][0] == CHUNK  # full chunks, back to back
+    assert sched.limited_prefill() and max(sched.limited_prefill()) <= 6  # then the budget
+    sched.flush_cache()
 
 
 def test_retraction_and_aborts_keep_pages_and_outputs(tiny_llama_dir):

@@ -118,6 +118,12 @@ class PrefillBudget:
     takes at most that many tokens and a decode step runs between two prefill steps: no stream
     waits for more than one bounded chunk. Unset, prefill steps run back to back whenever
     prefill work fits, as before.
+
+    The budget holds while the decoding streams outnumber the prompts waiting to start: a
+    prefill step delays every stream by one step, a bounded one delays every waiting prompt's
+    first token, so when as many prompts wait as streams run (a wave of new requests, as at
+    the start of a run at concurrency 64) prefill takes the full chunk. Under scattered
+    arrivals, a few prompts against many streams, the budget keeps streams smooth.
     """
 
     def __init__(self, full: int, while_decoding: int | None) -> None:
@@ -125,11 +131,15 @@ class PrefillBudget:
         self.while_decoding = while_decoding
         self.last_was_prefill = False
 
-    def decode_first(self, decoding: bool) -> bool:
-        """True when streams wait and the last step was a prefill: this step decodes."""
-        return self.while_decoding is not None and decoding and self.last_was_prefill
+    def limits(self, decoding: int, waiting: int) -> bool:
+        """Whether the budget holds with `decoding` streams and `waiting` prompts."""
+        return self.while_decoding is not None and decoding > waiting
 
-    def tokens(self, decoding: bool) -> int:
-        if decoding and self.while_decoding is not None:
+    def decode_first(self, decoding: int, waiting: int) -> bool:
+        """True when the budget holds and the last step was a prefill: this step decodes."""
+        return self.limits(decoding, waiting) and self.last_was_prefill
+
+    def tokens(self, decoding: int, waiting: int) -> int:
+        if self.limits(decoding, waiting):
             return min(self.full, self.while_decoding)
         return self.full

@@ -3,14 +3,15 @@
 One step: `batch = next_batch(); logits = model_runner.forward(batch.fb); process(batch, ...)`.
 A new request reuses the KV of the longest cached prefix of its prompt and prefills the rest,
 in chunks of --chunked-prefill-size tokens when it is long; after its last chunk it joins the
-decode batch. While requests decode, a prefill step takes at most --decode-chunked-prefill-size
-tokens and a decode step runs between two prefill steps, so a stream waits for one bounded chunk
-at most; with --enable-mixed-chunk the running requests decode in the same forward as a prefill
-chunk. When decode cannot grow, cached pages are evicted, then the newest running
-request is retracted (its KV goes into the prefix cache) and re-run later from its prompt plus
-the tokens it already produced, so its output is unchanged. A request with a grammar waits in
-the grammar queue until its grammar is compiled; its matcher then masks every sampled token.
-A retracted request keeps its matcher: it re-reads the tokens the matcher has accepted.
+decode batch. While requests decode (and outnumber the prompts waiting), a prefill step takes at
+most --decode-chunked-prefill-size tokens and a decode step runs between two prefill steps, so a
+stream waits for one bounded chunk at most; with --enable-mixed-chunk the running requests
+decode in the same forward as a prefill chunk. When decode cannot grow, cached pages are
+evicted, then the newest running request is retracted (its KV goes into the prefix cache) and
+re-run later from its prompt plus the tokens it already produced, so its output is unchanged.
+A request with a grammar waits in the grammar queue until its grammar is compiled; its matcher
+then masks every sampled token. A retracted request keeps its matcher: it re-reads the tokens
+the matcher has accepted.
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class Scheduler:
         step's prefill rows in one extend batch."""
         if self.config.enable_mixed_chunk and self.running:
             return self._next_mixed()
-        if self.budget.decode_first(bool(self.running)) and (self.waiting or self.chunked_req):
+        if self.budget.decode_first(len(self.running), self.num_waiting()) and (
+                self.waiting or self.chunked_req):
             batch = self._decode_batch()
             if batch is not None:  # None: every stream was retracted to make room
                 self.stats["interleaved_decode_steps"] += 1
@@ -234,7 +236,7 @@ class Scheduler:
     def _admit(self) -> PrefillAdder | None:
         """This step's prefill rows, their KV slots allocated; None if nothing can start."""
         chunked = self.config.chunked_prefill_size is not None
-        budget = self.budget.tokens(decoding=bool(self.running))
+        budget = self.budget.tokens(len(self.running), self.num_waiting())
         adder = PrefillAdder(self.kv, budget, chunked, self.max_running - len(self.running),
                              reserve_pages=len(self.running))
         if self.chunked_req is not None and not adder.add_continuing(self.chunked_req):
@@ -250,6 +252,10 @@ class Scheduler:
             self.stats["prefill_budget_limited_steps"] += 1
         self.stats["prefill_tokens"] += taken
         return adder
+
+    def num_waiting(self) -> int:
+        """Prompts waiting to start or to finish their prefill."""
+        return len(self.waiting) + (self.chunked_req is not None)
 
     def _decode_batch(self, room_made: bool = False) -> ScheduledBatch | None:
         if not room_made:
