@@ -1,7 +1,7 @@
 """The decode-aware prefill budget (--decode-chunked-prefill-size) on a tiny random model:
-while requests decode, and outnumber the prompts waiting, a prefill step takes at most the
-budget and never follows another prefill step; an idle server, or one with as many prompts
-waiting as streams running, keeps the full chunk; greedy outputs do not depend on the budget."""
+while requests decode, at least as many as prompts wait, a prefill step takes at most the
+budget and never follows another prefill step; an idle server, or one with more prompts
+waiting than streams running, keeps the full chunk; greedy outputs do not depend on the budget."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def engine(request, tiny_llama_dir):
 
 class TracingScheduler(Scheduler):
     """Records each step as (prefill tokens, decode rows, streams decoding when built); and in
-    `limited` whether the budget held then (more streams decoding than prompts waiting)."""
+    `limited` whether the budget held then (streams decoding, at least as many as prompts
+    waiting)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -38,7 +39,7 @@ class TracingScheduler(Scheduler):
         decoding, waiting = len(self.running), self.num_waiting()
         batch = super().next_batch()
         if batch is not None:
-            self.limited.append(decoding > waiting)
+            self.limited.append(0 < decoding and waiting <= decoding)
             rows = [r.extend_len for r in batch.reqs]
             if batch.fb.forward_mode == ForwardMode.DECODE:
                 self.trace.append((0, len(rows), decoding))
@@ -141,7 +142,7 @@ def test_greedy_outputs_do_not_depend_on_the_budget(engine, reference, config):
 
 def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine):
     """One stream decodes, then four prompts arrive at once: they outnumber it, so prefill runs
-    full chunks back to back until fewer wait than decode; then the budget holds again."""
+    full chunks back to back until no more wait than decode; then the budget holds again."""
     vocab = engine.model_runner.model_config.vocab_size
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 40, 40, 40, 40)]
@@ -160,6 +161,30 @@ def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine)
     wave = [(t, d) for t, _, d in sched.trace[1:] if t]
     assert wave[0] == (CHUNK, 1) and wave[1][0] == CHUNK  # full chunks, back to back
     assert sched.limited_prefill() and max(sched.limited_prefill()) <= 6  # then the budget
+    sched.flush_cache()
+
+
+def test_one_long_prompt_beside_one_stream_is_read_within_the_budget(engine):
+    """One stream decodes and one long prompt arrives: as many streams as prompts waiting, so
+    every chunk of the prompt is at most the budget and a decode step follows each."""
+    vocab = engine.model_runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 40)]
+    eos = eos_token_ids(engine.model_runner, engine.tokenizer)
+    sched = TracingScheduler(engine.model_runner, eos, SchedulerConfig(
+        chunked_prefill_size=CHUNK, decode_chunked_prefill_size=6, radix_cache=False))
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 30})
+    reqs = [build_req(engine.tokenizer, p, params) for p in prompts]
+    sched.add_request(reqs[0])
+    sched.step()  # its prefill; it decodes from now on
+    sched.add_request(reqs[1])
+    while not all(r.finished for r in reqs):
+        sched.step()
+        sched.kv.audit(sched.holders())
+    steps = sched.trace[1:]
+    chunks = [t for t, _, _ in steps if t]
+    assert sum(chunks) == 40 and max(chunks) <= 6
+    assert all(nxt[0] == 0 for cur, nxt in zip(steps, steps[1:]) if cur[0])
     sched.flush_cache()
 
 

@@ -119,11 +119,12 @@ class PrefillBudget:
     waits for more than one bounded chunk. Unset, prefill steps run back to back whenever
     prefill work fits, as before.
 
-    The budget holds while the decoding streams outnumber the prompts waiting to start: a
+    The budget holds while at least as many streams decode as prompts wait to start: a
     prefill step delays every stream by one step, a bounded one delays every waiting prompt's
-    first token, so when as many prompts wait as streams run (a wave of new requests, as at
-    the start of a run at concurrency 64) prefill takes the full chunk. Under scattered
-    arrivals, a few prompts against many streams, the budget keeps streams smooth.
+    first token, so when the waiting prompts outnumber the streams (a wave of new requests, as
+    at the start of a run at concurrency 64) prefill takes the full chunk. Under scattered
+    arrivals, a few prompts against as many streams or more (one long prompt beside one
+    stream included), the budget keeps streams smooth.
     """
 
     def __init__(self, full: int, while_decoding: int | None) -> None:
@@ -133,7 +134,7 @@ class PrefillBudget:
 
     def limits(self, decoding: int, waiting: int) -> bool:
         """Whether the budget holds with `decoding` streams and `waiting` prompts."""
-        return self.while_decoding is not None and decoding > waiting
+        return self.while_decoding is not None and decoding > 0 and decoding >= waiting
 
     def decode_first(self, decoding: int, waiting: int) -> bool:
         """True when the budget holds and the last step was a prefill: this step decodes."""

@@ -3,7 +3,7 @@
 One step: `batch = next_batch(); logits = model_runner.forward(batch.fb); process(batch, ...)`.
 A new request reuses the KV of the longest cached prefix of its prompt and prefills the rest,
 in chunks of --chunked-prefill-size tokens when it is long; after its last chunk it joins the
-decode batch. While requests decode (and outnumber the prompts waiting), a prefill step takes at
+decode batch. While requests decode (at least as many as prompts wait), a prefill step takes at
 most --decode-chunked-prefill-size tokens and a decode step runs between two prefill steps, so a
 stream waits for one bounded chunk at most; with --enable-mixed-chunk the running requests
 decode in the same forward as a prefill chunk. When decode cannot grow, cached pages are
