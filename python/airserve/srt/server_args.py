@@ -49,8 +49,13 @@ DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": DEFAULT_CPU_CHUNK, "cuda": 8192, "npu": 8
 # 2-core AVX2 CPU (default model, benchmark/serving/bench_load.py, Poisson 128/128 at 0.81
 # req/s, near capacity), 128 against no cache and whole prompts: ITL p99 970 -> 699 ms but
 # TTFT p50 563 -> 909 ms and p99 4.4 -> 8.7 s (prompts wait behind the interleaved decode
-# steps), random 128/128 at concurrency 64 -2.6% output tok/s. A trade of first-token latency
-# for smoother streams, so it is the user's choice, not the default.
+# steps), random 128/128 at concurrency 64 -2.6% output tok/s. The budget holds only while at
+# least as many streams decode as prompts wait, so a wave of new prompts still prefills full
+# chunks. With --enable-mixed-chunk, on a 2-core AMD EPYC (AVX-512, Poisson at 2.8 req/s,
+# medians of two rounds): ITL p99 0.48x of no cache's, concurrency-64 output +4%, but TTFT p50
+# 1.42x (a step carries one 128-token prompt while streams decode, and a prompt's first token
+# waits for the decode rows beside it). A trade of first-token latency for smoother streams,
+# so it is the user's choice, not the default.
 DEFAULT_CPU_DECODE_CHUNK = 128  # the size measured above, for users who want the trade
 
 
