@@ -140,16 +140,17 @@ def test_greedy_outputs_do_not_depend_on_the_budget(engine, reference, config):
         assert sched.stats["mixed_steps"] > 0
 
 
-def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine):
-    """One stream decodes, then four prompts arrive at once: they outnumber it, so prefill runs
-    full chunks back to back until no more wait than decode; then the budget holds again."""
+def one_stream_then(engine: Engine, lengths: tuple[int, ...], seed: int,
+                    max_new_tokens: int) -> TracingScheduler:
+    """A 9-token prompt prefills and decodes, then prompts of `lengths` arrive at once; runs
+    to the end with the KV audit after every step (chunk CHUNK, budget 6, no cache)."""
     vocab = engine.model_runner.model_config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 40, 40, 40, 40)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, *lengths)]
     eos = eos_token_ids(engine.model_runner, engine.tokenizer)
     sched = TracingScheduler(engine.model_runner, eos, SchedulerConfig(
         chunked_prefill_size=CHUNK, decode_chunked_prefill_size=6, radix_cache=False))
-    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 40})
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": max_new_tokens})
     reqs = [build_req(engine.tokenizer, p, params) for p in prompts]
     sched.add_request(reqs[0])
     sched.step()  # its prefill; it decodes from now on
@@ -158,34 +159,27 @@ def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine)
     while not all(r.finished for r in reqs):
         sched.step()
         sched.kv.audit(sched.holders())
+    sched.flush_cache()
+    return sched
+
+
+def test_a_wave_of_prompts_takes_the_full_chunk_while_one_stream_decodes(engine):
+    """One stream decodes, then four prompts arrive at once: they outnumber it, so prefill runs
+    full chunks back to back until no more wait than decode; then the budget holds again."""
+    sched = one_stream_then(engine, (40, 40, 40, 40), seed=5, max_new_tokens=40)
     wave = [(t, d) for t, _, d in sched.trace[1:] if t]
     assert wave[0] == (CHUNK, 1) and wave[1][0] == CHUNK  # full chunks, back to back
     assert sched.limited_prefill() and max(sched.limited_prefill()) <= 6  # then the budget
-    sched.flush_cache()
 
 
 def test_one_long_prompt_beside_one_stream_is_read_within_the_budget(engine):
     """One stream decodes and one long prompt arrives: as many streams as prompts waiting, so
     every chunk of the prompt is at most the budget and a decode step follows each."""
-    vocab = engine.model_runner.model_config.vocab_size
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 40)]
-    eos = eos_token_ids(engine.model_runner, engine.tokenizer)
-    sched = TracingScheduler(engine.model_runner, eos, SchedulerConfig(
-        chunked_prefill_size=CHUNK, decode_chunked_prefill_size=6, radix_cache=False))
-    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 30})
-    reqs = [build_req(engine.tokenizer, p, params) for p in prompts]
-    sched.add_request(reqs[0])
-    sched.step()  # its prefill; it decodes from now on
-    sched.add_request(reqs[1])
-    while not all(r.finished for r in reqs):
-        sched.step()
-        sched.kv.audit(sched.holders())
+    sched = one_stream_then(engine, (40,), seed=6, max_new_tokens=30)
     steps = sched.trace[1:]
     chunks = [t for t, _, _ in steps if t]
     assert sum(chunks) == 40 and max(chunks) <= 6
     assert all(nxt[0] == 0 for cur, nxt in zip(steps, steps[1:]) if cur[0])
-    sched.flush_cache()
 
 
 def test_retraction_and_aborts_keep_pages_and_outputs(tiny_llama_dir):
