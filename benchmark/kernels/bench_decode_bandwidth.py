@@ -1,17 +1,20 @@
 """Are the bs-1 decode products at this machine's memory bandwidth?
 
 One decode step's packed products of the default model (SmolLM2-135M: 30 layers of q/k/v
-[960, 576], o [576, 576], gate/up [3072, 576] and down [576, 1536] in Q4_1 with int8
-activations, then the Q8_0 lm_head [49152, 576] with float32 activations), each layer with
+[960, 576], o [576, 576], gate/up [3072, 576] and down [576, 1536] in Q4_1, with float32
+activations (the default) and with int8 ones, then the Q8_0 lm_head [49152, 576] with float32
+activations), each layer with
 weights of its own so that a step reads all 66 MB (+ 30 MB) from memory as the model does,
 against a streaming read (a float32 sum) of as many bytes. Weight values are random bytes:
 only the timing matters. Prints milliseconds per step and GB/s of weight bytes (median and
 best of the repeats), and `cached`: the same products on one layer's weights reused (from the
 L3 cache), which is the kernels' compute rate. With one thread the times are the thread's CPU
 time, so a busy machine's descheduling does not count; with more, wall time (noisy on a shared
-machine). JSON with `--json`.
+machine). `--float32-isa` / `--int8-isa` narrow the products to one instruction set. JSON
+with `--json`.
 
     python benchmark/kernels/bench_decode_bandwidth.py [--threads 1 2] [--repeats 40]
+        [--float32-isa avx2] [--int8-isa avx2]
 """
 
 from __future__ import annotations
@@ -47,14 +50,19 @@ def workloads() -> dict:
     layer_bytes = sum(nbytes(w) for ws in layers for w in ws)
     stream = torch.rand(layer_bytes // 4)
 
-    def products(weights):
+    def products(weights, activations="int8"):
         def run():
             for ws in weights:
                 for (_, k), w in zip(SHAPES, ws):
-                    torch.ops.airserve.block_matmul_int8(xs[k], "q4_1", *w)
+                    if activations == "int8":
+                        torch.ops.airserve.block_matmul_int8(xs[k], "q4_1", *w)
+                    else:
+                        torch.ops.airserve.q4_1_matmul(xs[k], *w)
         return run
 
     return {"stream_read": (lambda: stream.sum(), layer_bytes),
+            "q4_1_f32_layers": (products(layers, "float32"), layer_bytes),
+            "q4_1_f32_cached": (products([layers[0]] * LAYERS, "float32"), layer_bytes),
             "q4_1_int8_layers": (products(layers), layer_bytes),
             "q4_1_int8_cached": (products([layers[0]] * LAYERS), layer_bytes),
             "lm_head_q8_0_f32": (lambda: torch.ops.airserve.q8_0_matmul(xs[576], *head),
@@ -85,6 +93,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--float32-isa", default="auto",
+                   help="narrow the float32 products to one instruction set (avx512, avx2, ...)")
+    p.add_argument("--int8-isa", default="auto",
+                   help="narrow the int8 products to one instruction set (avx512_vnni, avx2, ...)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from airserve.srt.hardware import host_cpu
@@ -92,6 +104,10 @@ def main() -> None:
 
     if not kernels_available():
         raise SystemExit(f"airserve's CPU kernels are not built: {unavailable_reason()}")
+    from airserve.srt.layers.quant.block_matvec import use_float32_isa, use_int8_isa
+
+    isas = {"float32": use_float32_isa(a.float32_isa), "int8": use_int8_isa(a.int8_isa)}
+    print(f"instruction sets: float32 {isas['float32']}, int8 {isas['int8']}")
     work = workloads()
     rows = [r for t in a.threads for r in measure(t, a.repeats, work)]
     print(f"{'threads':>7} {'work':18} {'MB':>6} {'median ms':>9} {'best ms':>8} "
