@@ -7,7 +7,8 @@ are compiled with them. Each prefills one 32-token prompt and runs greedy bs-1 d
 through `ModelRunner.forward` (graph replay), the two taking turns step by step (with
 `--threads 1` timed in the thread's CPU time, which a busy machine does not inflate). Prints
 each one's build and capture (compile) seconds, median step milliseconds, and a torch.profiler
-breakdown of the step per op (self CPU milliseconds per step, grouped: the Q4_1 int8 products,
+breakdown of the step per op (self CPU milliseconds per step, grouped: the Q4_1 products (float32
+by default, int8 with `--cpu-decode-activations int8`),
 the lm_head, attention, other custom ops, aten ops; `rest` = step minus the ops the profiler
 saw: inductor's own kernels and the generated wrapper's Python). JSON with `--json`. Timing
 on a shared machine is noisy.
@@ -31,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-GROUPS = (("airserve::block_matmul_int8", "q4_1 int8 products"),
+GROUPS = (("airserve::q4_1_matmul", "q4_1 products (float32)"),
+          ("airserve::block_matmul_int8", "q4_1 int8 products"),
           ("airserve::q8_0_matmul", "lm_head (q8_0, float32)"),
           ("attention", "attention"),
           ("airserve::", "other custom ops"),
