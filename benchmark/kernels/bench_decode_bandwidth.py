@@ -117,8 +117,8 @@ def main() -> None:
               f"{r['best_ms']:8.2f} {r['median_gbs']:8.2f} {r['best_gbs']:9.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": host_cpu()[0], "note": "shared machine: figures are noisy",
-                       "rows": rows}, f, indent=2)
+            json.dump({"cpu": host_cpu()[0], "instruction_sets": isas,
+                       "note": "shared machine: figures are noisy", "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
