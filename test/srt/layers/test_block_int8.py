@@ -190,6 +190,44 @@ def test_simd_int8_equals_portable_int8(kind: str, k: int) -> None:
     block_matvec.use_int8_isa("auto")
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_q4_1_q8_0_int8_tiles_are_one_loop_on_every_simd_isa(kind: str) -> None:
+    """Q4_1 / Q8_0 int8 products run the same column tiles on AVX2, AVX-VNNI and AVX-512 VNNI
+    (only the integer dot product instruction differs, and integer sums are exact), so every
+    SIMD instruction set gives the same bits, for every row count."""
+    isas = [i for i in block_matvec.int8_isas() if i != "scalar"]
+    if len(isas) < 2:
+        pytest.skip("this CPU has fewer than two SIMD int8 paths")
+    w = any_packed(kind, 37, 288, seed=3)
+    try:
+        for rows in range(1, 17):
+            x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows))
+            outs = {}
+            for isa in isas:
+                block_matvec.use_int8_isa(isa)
+                outs[isa] = packed_linear(x, w, "int8")
+            for isa in isas[1:]:
+                assert torch.equal(outs[isa], outs[isas[0]]), (rows, isa, isas[0])
+    finally:
+        block_matvec.use_int8_isa("auto")
+
+
+def test_auto_prefers_avx_vnni_over_avx512_vnni() -> None:
+    """Where the CPU has both, `auto` takes the AVX-VNNI build (measured faster on an Intel Xeon
+    with both); a CPU with AVX-512 VNNI alone takes that."""
+    isas = block_matvec.int8_isas()
+    try:
+        auto = block_matvec.use_int8_isa("auto")
+    finally:
+        block_matvec.use_int8_isa("auto")
+    if "avx_vnni" in isas:
+        assert auto == "avx_vnni"
+    elif "avx512_vnni" in isas:
+        assert auto == "avx512_vnni"
+    else:
+        pytest.skip("this CPU has no VNNI")
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q5_0", "q5_1"])
 def test_int8_extremes_do_not_saturate(kind: str) -> None:
     """Largest weights times activations quantized to +-127 everywhere: the int16 pair sums of
