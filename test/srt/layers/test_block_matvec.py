@@ -4,7 +4,8 @@ Reference: `PackedWeight.dequantize()` (checked against the GGUF loader's dequan
 test/srt/model_loader/test_gguf.py) followed by a float32 matmul, or by a float64 one for every
 instruction-set path (AVX-512, AVX2+FMA+F16C, plain C++) this CPU has. Tolerance: 1e-5 of the
 output scale; the kernels see the same values and differ only in summation order (and in one
-rounding less where the AVX2 path forms q4_1's d * q + m with an FMA).
+rounding less where the AVX2 path forms q4_1's d * q + m with an FMA for three or more rows; for
+one or two rows it adds q4_1's m term from the block sums of x, as the AVX-512 path does).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ struct Job {
   const at::Half* m;  // q4_1: [N, nb]; else nullptr
   int64_t K, N, nb;   // nb = K / 32
   const float* x;     // [M, K]
-  const float* xsum;  // q4_1 on AVX-512, q5_1, q4_k: block sums of x [M, nb]; else null
+  const float* xsum;  // q4_1, q5_1, q4_k: block sums of x [M, nb]; else null
   float* out;         // [M, N]
   airserve_blocks::Row row(int64_t n) const {
     return {kind, qs + n * qs_stride, d ? d + n * nb : nullptr, m ? m + n * nb : nullptr};
