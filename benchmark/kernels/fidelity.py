@@ -31,11 +31,15 @@ so the Q4_1 file's Q8_0 lm_head stays float32) it reports top-1 agreement with t
 float32-activation run on the same weights, and both perplexities. `--auto-int8-kinds` runs
 "auto" under a candidate rule instead (int8 only for the kinds named, e.g. q5_0 q5_1 in a
 Q4_K_M mix), the check a kind must pass before it joins AUTO_INT8_KINDS.
+`--int8-roles gate_up_proj gate_up_proj+o_proj` adds configurations with int8 in the layers of
+those roles only (float32 in the rest, the lm_head too unless named), the check behind
+block_matvec.AUTO_INT8_ROLES, which "auto" follows.
 Pass: agreement >= 98% and perplexity within 1%; the exit code is the "auto" rows' verdict.
 
     python benchmark/kernels/fidelity.py [--tokens 2000] [--schemes Q4_1 Q4_K_M ...] [--json F]
     python benchmark/kernels/fidelity.py --schemes Q4_K_M --activations auto \
         --auto-int8-kinds q5_0 q5_1
+    python benchmark/kernels/fidelity.py --schemes Q4_1 --int8-roles gate_up_proj down_proj
     python benchmark/kernels/fidelity.py --paths bfloat16 w8a8_int8 w8a8_int8_outliers \
         [--seq-len 250] [--int8-outlier-channels N] [--json F]
     python benchmark/kernels/fidelity.py --kv-cache-dtypes bfloat16 [--batch 8] [--json F]
@@ -118,13 +122,22 @@ def make_runner(scheme: str, activations: str, batch: int, seq_len: int):
 
 
 def set_activations(model: torch.nn.Module, activations: str) -> int:
-    """Switch every packed layer's products to `activations`; returns how many layers."""
+    """Switch every packed layer's products to `activations`, or for "roles:A+B" int8 in the
+    layers whose role (Linear.packed_role: "gate_up_proj", "lm_head", ...) is A or B and
+    float32 in the others; returns how many layers."""
     from airserve.srt.layers.linear import Linear
 
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_max_rows]
+    roles = set(activations.split(":", 1)[1].split("+")) if activations.startswith(
+        "roles:") else None
     for m in layers:
-        m.packed_activations = activations
+        m.packed_activations = (activations if roles is None
+                                else "int8" if m.packed_role in roles else "float32")
     return len(layers)
+
+
+def _roles_text(roles: dict[str, frozenset[str]]) -> str:
+    return "; ".join(f"{kind} {'/'.join(sorted(r))}" for kind, r in sorted(roles.items()))
 
 
 def weight_mib(model: torch.nn.Module) -> float:
@@ -223,17 +236,21 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                     top1, logp = teacher_forced(runner, seqs)
                 int8_kinds = sorted(auto_kinds if auto_kinds is not None
                                     else block_matvec.AUTO_INT8_KINDS)
+                if act.startswith("roles:"):  # int8 in the named layers, whatever the kind
+                    int8_kinds = sorted(act.split(":", 1)[1].split("+"))
                 ppl = math.exp(-logp.mean().item())
                 agree = (top1 == ref_top1).float().mean().item()
                 change = abs(ppl / ref_ppl - 1)
                 rows.append({"scheme": scheme, "activations": act, "isa": isa,
-                             "int8_kinds": int8_kinds if act == "auto" else "all",
+                             "int8_kinds": int8_kinds if act != "int8" else "all",
                              "tokens": int(top1.numel()), "ppl_float32": ref_ppl,
                              "ppl_int8": ppl, "ppl_change": change, "top1_agreement": agree,
                              "weight_mib": mib,
                              "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE,
                              "seconds": time.perf_counter() - t0})
                 kinds = f" (int8: {', '.join(int8_kinds)})" if act == "auto" else ""
+                if act == "auto" and block_matvec.AUTO_INT8_ROLES:
+                    kinds += f" (by role: {_roles_text(block_matvec.AUTO_INT8_ROLES)})"
                 print(f"{scheme} {act}{kinds} {isa}: top-1 {agree:.2%}, perplexity "
                       f"{ref_ppl:.3f} -> {ppl:.3f}", flush=True)
         block_matvec.use_int8_isa("auto")
@@ -397,10 +414,11 @@ def print_compare_table(report: dict, keys: list[tuple[str, str, int]],
 
 
 def print_table(report: dict) -> None:
-    print(f"{'type':8} {'acts':5} {'isa':12} {'tokens':>6} {'ppl f32':>8} {'ppl int8':>8} "
+    w = max([5] + [len(r["activations"]) for r in report["rows"]])
+    print(f"{'type':8} {'acts':{w}} {'isa':12} {'tokens':>6} {'ppl f32':>8} {'ppl int8':>8} "
           f"{'change':>7} {'top-1':>6} {'weights':>9}  pass")
     for r in report["rows"]:
-        print(f"{r['scheme']:8} {r['activations']:5} {r['isa']:12} {r['tokens']:6d} "
+        print(f"{r['scheme']:8} {r['activations']:{w}} {r['isa']:12} {r['tokens']:6d} "
               f"{r['ppl_float32']:8.3f} {r['ppl_int8']:8.3f} {r['ppl_change']:7.2%} "
               f"{r['top1_agreement']:6.2%} {r['weight_mib']:6.0f} MiB  "
               f"{'yes' if r['passed'] else 'NO'}")
@@ -420,6 +438,11 @@ def main() -> None:
     p.add_argument("--auto-int8-kinds", nargs="+", default=None,
                    help="run auto with int8 for these kinds only (a candidate rule; default: "
                         "block_matvec.AUTO_INT8_KINDS)")
+    p.add_argument("--int8-roles", nargs="+", default=[],
+                   help="also run int8 in the layers of these roles only, float32 elsewhere: "
+                        "each a role set, e.g. gate_up_proj gate_up_proj+o_proj (roles: "
+                        "qkv_proj, o_proj, gate_up_proj, down_proj, lm_head); a candidate for "
+                        "block_matvec.AUTO_INT8_ROLES")
     p.add_argument("--isa", default=None,
                    help="int8 on this instruction set (e.g. avx2) instead of the best")
     p.add_argument("--threads", type=int, default=None)
@@ -454,7 +477,8 @@ def main() -> None:
     if not block_matvec.kernels_available():
         raise SystemExit(f"the packed kernels did not build: {block_matvec.unavailable_reason()}")
     isas = block_matvec.int8_isas() if a.all_isas else [a.isa] if a.isa else None
-    report = check(a.schemes, a.tokens, a.batch, isas, tuple(a.activations),
+    activations = tuple(a.activations) + tuple(f"roles:{r}" for r in a.int8_roles)
+    report = check(a.schemes, a.tokens, a.batch, isas, activations,
                    frozenset(a.auto_int8_kinds) if a.auto_int8_kinds else None)
     print_table(report)
     _write(a.json, report)

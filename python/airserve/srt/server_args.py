@@ -109,15 +109,14 @@ class ServerArgs:
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
     # Activations of those packed products for decode rows: "float32" (exact),
-    # "int8" (quantized per block of 32, integer dot products) or "auto": int8 for the
-    # block kinds whose int8 products passed the fidelity check on ~2,000 tokens of the packaged
-    # text and run faster than float32 (Q4_1; Q5_0, measured in a Q4_K_M mix), float32 for the
-    # others (the K-quants missed top-1 >= 98%). The default:
-    # `python benchmark/kernels/fidelity.py --schemes Q4_1`, every teacher-forced position a
-    # decode row, gives auto (int8 Q4_1 layers, the Q8_0 lm_head in
-    # float32) top-1 98.14% / perplexity +0.18% against float32 (int8 in the lm_head too:
-    # 97.94%, under the bar) on a 2-core AMD EPYC (AVX2); it decodes ~1.3x faster there. See
-    # block_matvec.AUTO_INT8_KINDS; test/srt/layers/test_fidelity.py reruns the check.
+    # "int8" (quantized per block of 32, integer dot products) or "auto": int8 where the int8
+    # products passed the fidelity check on ~2,000 tokens of the packaged text (top-1 >= 98%,
+    # perplexity within 1% of float32) and run faster, float32 elsewhere: Q5_0 (measured in a
+    # Q4_K_M mix) everywhere, Q4_1 in the merged gate/up projections only (99.05% / +0.03% on
+    # the default file against 97.84% with int8 in every Q4_1 layer, on an AVX2-only AMD EPYC;
+    # int8 in every layer sits at the bar and moved by 0.65 points between CPUs), the Q8_0
+    # lm_head and the K-quants in float32. See block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES;
+    # test/srt/layers/test_fidelity.py reruns the check.
     # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32
     # (Linear.forward), so a prompt answers the same whether or not it was cached. Float32 stays
     # exact: --cpu-decode-activations float32.
@@ -535,7 +534,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    default=d.cpu_decode_activations,
                    help="activations of the packed products for decode rows: int8 (integer "
                         "dot products, VNNI where the CPU has it), float32 (exact) or auto (the "
-                        "default: int8 where it passed the fidelity check and is faster: Q4_1); "
+                        "default: int8 where it passed the fidelity check and is faster: Q5_0, and "
+                        "Q4_1 in the gate/up projections); "
                         "extends (prefill, chunks, cache-hit tails) always use float32")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,

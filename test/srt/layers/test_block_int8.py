@@ -280,3 +280,35 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
                                           "extend rows: float32")
     assert report["int8_isa"] == block_matvec.int8_isa()
     assert report["float32_isa"] == block_matvec.float32_isa()
+
+
+def test_auto_activations_follow_the_layer_role() -> None:
+    """Q4_1 takes int8 under auto in the roles AUTO_INT8_ROLES names (the merged gate/up
+    projection) and float32 elsewhere; the report names the kind by role."""
+    from airserve.srt.layers.linear import packed_report
+
+    assert block_matvec.AUTO_INT8_ROLES == {"q4_1": {"gate_up_proj"}}
+    assert block_matvec.resolve_activations("auto", "q4_1", "gate_up_proj") == "int8"
+    for role in ("", "qkv_proj", "o_proj", "down_proj", "lm_head"):
+        assert block_matvec.resolve_activations("auto", "q4_1", role) == "float32"
+    assert block_matvec.resolve_activations("auto", "q8_0", "gate_up_proj") == "float32"
+    assert block_matvec.resolve_activations("float32", "q4_1", "gate_up_proj") == "float32"
+    w = any_packed("q4_1", 24, 256, seed=4)
+    x = torch.randn(2, 256)
+    layers = {}
+    for role in ("gate_up_proj", "down_proj"):
+        layer = Linear(256, 24, bias=False)
+        layer.attach_packed(w, 4, "auto", drop_weight=True)
+        layer.packed_role = role
+        layers[role] = layer
+    int8, exact = packed_linear(x, w, "int8"), packed_linear(x, w, "float32")
+    assert not torch.equal(int8, exact)
+    assert torch.equal(layers["gate_up_proj"](x, decode=True), int8)
+    assert torch.equal(layers["down_proj"](x, decode=True), exact)
+    # Extend rows multiply in float32 whatever the role.
+    assert torch.equal(layers["gate_up_proj"](x), exact)
+    report = packed_report(list(layers.values()))
+    assert report["activations_by_kind"] == {"q4_1:down_proj": "float32",
+                                             "q4_1:gate_up_proj": "int8"}
+    assert report["activations_rule"] == ("decode rows: int8 for q4_1:gate_up_proj, float32 "
+                                          "for q4_1:down_proj; extend rows: float32")

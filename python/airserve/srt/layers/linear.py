@@ -64,6 +64,9 @@ class Linear(nn.Linear):
     # Activations of the packed products for decode rows ("float32", "int8" or "auto": see
     # block_matvec.block_matmul); extend rows always use float32.
     packed_activations: str = "float32"
+    # The layer's role in its model (the last part of its module name, e.g. "gate_up_proj"):
+    # "auto" activations may differ by role (block_matvec.AUTO_INT8_ROLES).
+    packed_role: str = ""
     large_path: str = "float32"  # inputs above packed_max_rows: one of matmul_paths.PATHS
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
@@ -208,7 +211,9 @@ class Linear(nn.Linear):
     def activations_for(self, kind: str, decode: bool) -> str:
         """The activations ("float32" or "int8") of the packed product of a `kind` segment:
         `packed_activations` for decode rows, float32 for extend rows."""
-        return resolve_activations(self.packed_activations, kind) if decode else "float32"
+        if not decode:
+            return "float32"
+        return resolve_activations(self.packed_activations, kind, self.packed_role)
 
     def forward(self, x: torch.Tensor, decode: bool = False,
                 keep_bf16: bool = False) -> torch.Tensor:
@@ -313,7 +318,8 @@ def packed_report(layers: list[Linear]) -> dict:
     activations = sorted({m.packed_activations for m in packed})
     report = {"cpu_decode_activations": activations[0] if len(activations) == 1 else activations,
               "blocks_only_layers": sum(m.float_source is None for m in packed)}
-    resolved = {(kind, resolve_activations(m.packed_activations, kind))
+    resolved = {(_activations_label(kind, m.packed_role),
+                 resolve_activations(m.packed_activations, kind, m.packed_role))
                 for m in packed for kind in m.packed_kinds}
     if "auto" in activations:  # what each kind's products use for decode rows
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
@@ -325,6 +331,14 @@ def packed_report(layers: list[Linear]) -> dict:
     if "float32" in activations:
         report["float32_isa"] = float32_isa()
     return report
+
+
+def _activations_label(kind: str, role: str) -> str:
+    """How the report names a kind's products: "q4_1:gate_up_proj" where auto decides the kind
+    by role (block_matvec.AUTO_INT8_ROLES), else the kind."""
+    from airserve.srt.layers.quant.block_matvec import AUTO_INT8_ROLES
+
+    return f"{kind}:{role}" if role and kind in AUTO_INT8_ROLES else kind
 
 
 def activations_rule(resolved: set[tuple[str, str]]) -> str:

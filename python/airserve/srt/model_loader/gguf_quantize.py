@@ -173,4 +173,5 @@ def requantize_linears(model, scheme: str, max_rows: int, activations: str) -> d
             with torch.no_grad():
                 layer.weight.copy_(torch.cat([p.dequantize() for p in parts]))
         layer.attach_packed(parts, max_rows, activations, drop_weight=drop)
+        layer.packed_role = name.rsplit(".", 1)[-1]
     return counts

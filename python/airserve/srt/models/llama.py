@@ -284,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
         from airserve.srt.layers.quant.block_matvec import RAW_KINDS
 
         targets = checkpoint_targets(self, packed=True)
+        roles = {id(m): n.rsplit(".", 1)[-1] for n, m in self.named_modules()}
         pending: dict[int, dict[str, PackedWeight]] = {}
         kinds: dict[str, int] = {}
         dropped: set[str] = set()
@@ -299,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
             drop = not tied and (drop_all or drop_raw and any(p.kind in RAW_KINDS
                                                                for p in parts.values()))
             layer.attach_packed(layer.shard_packed(parts), max_rows, activations, drop)
+            layer.packed_role = roles.get(id(layer), "")
             if drop:
                 dropped |= {n for n, (m, _, f) in targets.items() if m is layer}
             for kind in layer.packed_kinds:
