@@ -111,3 +111,33 @@ def test_k_quant_decode_matches_float32_weights(kquant_file: str, activations: s
         # Each int8 product is ~0.6% off (the rounding of x to 8 bits); this random model
         # amplifies that to ~4% of its logits. test_fidelity.py checks a real model's numerics.
         assert 0 < rel < 0.08 and agree >= 0.75, (rel, agree)
+
+
+def test_requantized_layers_keep_their_role_and_the_scheme_blocks() -> None:
+    """gguf_quantize.requantize_linears (the fidelity and decode-step benchmarks' Q4_0 / K-quant
+    files made from the default model): each layer holds the scheme's blocks (Q4_0 carried as
+    q4_1 with m = -8 d), its float weight holds the same values, and it knows its role, so
+    `auto` picks its activations as on a loaded file (int8 in gate_up_proj only for q4_1)."""
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant import block_matvec
+    from airserve.srt.model_loader.gguf_quantize import requantize_linears, scheme_type
+
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    assert scheme_type("Q4_0", "model.layers.0.mlp.down_proj", 576) == "Q4_0"
+    model = torch.nn.Module()
+    model.gate_up_proj = Linear(64, 96, bias=False)
+    model.down_proj = Linear(96, 64, bias=False)
+    torch.manual_seed(0)
+    for layer in (model.gate_up_proj, model.down_proj):
+        torch.nn.init.normal_(layer.weight)
+    assert requantize_linears(model, "Q4_0", 4, "auto") == {"Q4_0": 2}
+    x = torch.randn(2, 64)
+    for name, layer in (("gate_up_proj", model.gate_up_proj), ("down_proj", model.down_proj)):
+        assert layer.packed_role == name and layer.packed_kinds == ("q4_1",)
+        (part,) = layer.packed_parts
+        assert torch.equal(part.dequantize(), layer.weight.detach())
+        assert torch.equal(part.m, (-8 * part.d.float()).half())  # Q4_0: m = -8 d
+        xin = x if name == "gate_up_proj" else torch.randn(2, 96)
+        want = "int8" if name == "gate_up_proj" else "float32"
+        assert torch.equal(layer(xin, decode=True), block_matvec.packed_linear(xin, part, want))
