@@ -128,12 +128,17 @@ def set_activations(model: torch.nn.Module, activations: str) -> int:
     from airserve.srt.layers.linear import Linear
 
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_max_rows]
-    roles = set(activations.split(":", 1)[1].split("+")) if activations.startswith(
-        "roles:") else None
+    roles = _int8_roles(activations)
     for m in layers:
         m.packed_activations = (activations if roles is None
                                 else "int8" if m.packed_role in roles else "float32")
     return len(layers)
+
+
+def _int8_roles(activations: str) -> set[str] | None:
+    """The roles of a "roles:A+B" configuration, None for any other."""
+    return set(activations.split(":", 1)[1].split("+")) if activations.startswith(
+        "roles:") else None
 
 
 def _roles_text(roles: dict[str, frozenset[str]]) -> str:
@@ -236,8 +241,9 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                     top1, logp = teacher_forced(runner, seqs)
                 int8_kinds = sorted(auto_kinds if auto_kinds is not None
                                     else block_matvec.AUTO_INT8_KINDS)
-                if act.startswith("roles:"):  # int8 in the named layers, whatever the kind
-                    int8_kinds = sorted(act.split(":", 1)[1].split("+"))
+                roles = _int8_roles(act)
+                if roles is not None:  # int8 in the named layers, whatever the kind
+                    int8_kinds = sorted(roles)
                 ppl = math.exp(-logp.mean().item())
                 agree = (top1 == ref_top1).float().mean().item()
                 change = abs(ppl / ref_ppl - 1)
