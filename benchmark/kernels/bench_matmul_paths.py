@@ -14,6 +14,7 @@ so a busy machine slows all alike), medians reported:
   bf16           F.linear with bf16 activations and weights (what --dtype bfloat16 runs)
   f32_bf16w      x cast to bf16, bf16 F.linear, result cast back (a bf16 path in a float32 model)
   fp16w          fbgemm: fp16 weights, float32 arithmetic (quantized::linear_dynamic_fp16)
+  float16_weights  airserve's --quantization float16_weights (fp16w through its operator)
   int8pack       torch._weight_int8pack_mm: float32 x, int8 per-channel weights
   fbgemm_int8    quantized::linear_dynamic, fbgemm engine: u8 activations per tensor (dynamic,
                  reduce_range), s8 per-channel weights
@@ -49,9 +50,9 @@ from bench_kernels import cpu_info, make_weight
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 3072),
           (576, 49152))
 LM_HEAD_MAX_ROWS = 256
-CANDIDATES = ("f32", "f32_onednn", "bf16", "f32_bf16w", "fp16w", "int8pack", "fbgemm_int8",
-              "onednn_int8", "w8a8_int8", "w8a8_int8_outliers", "torchao_int8", "block_int8",
-              "block_f32")
+CANDIDATES = ("f32", "f32_onednn", "bf16", "f32_bf16w", "fp16w", "float16_weights", "int8pack",
+              "fbgemm_int8", "onednn_int8", "w8a8_int8", "w8a8_int8_outliers", "torchao_int8",
+              "block_int8", "block_f32")
 
 
 def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +146,8 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
         "bf16": lambda x: F.linear(x, wb),  # x is given in bf16 (see time_shape)
         "f32_bf16w": lambda x: F.linear(x.bfloat16(), wb).float(),
         "fp16w": _fp16_weight_linear(w),
+        "float16_weights": (_airserve_path(w, "float16_weights")
+                            if "float16_weights" in names else None),
         "int8pack": (lambda q, s: lambda x: torch._weight_int8pack_mm(x, q, s))(
             *_per_channel_int8(w)),
         "fbgemm_int8": _quantized_linear(w, "fbgemm"),

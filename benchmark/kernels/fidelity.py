@@ -3,7 +3,7 @@
 Two checks, both teacher-forced over ~2,000 tokens of the packaged text, both passing at top-1
 agreement >= 98% and perplexity within 1% of float32:
 
-- `--paths bfloat16 w8a8_int8 w8a8_int8_outliers`: the matmul paths of prefill and large batches
+- `--paths bfloat16 float16_weights w8a8_int8 w8a8_int8_outliers`: the matmul paths of prefill and large batches
   (layers/quant/matmul_paths.py). The text is split into sequences of `--seq-len` tokens, each
   prefilled in one forward pass with every position's logits, so every linear layer (lm_head
   too) multiplies through the path; compared with the float32 path on the same model.
@@ -454,7 +454,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--paths", nargs="+", default=None,
-                   choices=("bfloat16", "w8a8_int8", "w8a8_int8_outliers"),
+                   choices=("bfloat16", "float16_weights", "w8a8_int8", "w8a8_int8_outliers"),
                    help="check these prefill / large-batch matmul paths instead")
     p.add_argument("--int8-outlier-channels", type=int, default=None,
                    help="w8a8_int8_outliers: float32 input channels per layer (default: the "

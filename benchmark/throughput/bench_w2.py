@@ -54,6 +54,7 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "auto": {},
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
+    "float16_weights": {"quantization": "float16_weights"},
     "w8a8_int8": {"quantization": "w8a8_int8"},
     "w8a8_int8_outliers": {"quantization": "w8a8_int8_outliers"},
     # Not matmul paths: the activations of the packed decode products (default "auto").

@@ -326,7 +326,7 @@ class ServerArgs:
     @property
     def resolved_large_path(self) -> str:
         """How linear layers multiply inputs above the packed limit on this CPU (float32,
-        bfloat16 or w8a8_int8): --quantization, else --dtype, `auto` the fastest path here whose
+        bfloat16, float16_weights or an int8 path): --quantization, else --dtype, `auto` the fastest path here whose
         fidelity passed. float32 off cpu and under OpenVINO (its graphs take their own
         weights)."""
         if self.device != "cpu" or self.uses_openvino:
@@ -485,9 +485,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "(cpu: still float32 arithmetic); int8 (cpu only) quarters it, each "
                         "(token, head) row with its own scale; fp8 is not implemented")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
-                   help="w8a8_int8 (cpu): int8 weights and dynamic int8 activations in prefill "
-                        "and batches above --packed-decode-max-bs; w8a8_int8_outliers: the same "
-                        "with each layer's outlier input channels in float32 (found at load)")
+                   help="cpu, prefill and batches above --packed-decode-max-bs: "
+                        "float16_weights: float16 weights, float32 activations and arithmetic; "
+                        "w8a8_int8: int8 weights and dynamic int8 activations; "
+                        "w8a8_int8_outliers: the same with each layer's outlier input channels "
+                        "in float32 (found at load)")
     g.add_argument("--int8-outlier-channels", type=int, default=d.int8_outlier_channels,
                    help="w8a8_int8_outliers: input channels per layer multiplied in float32 "
                         "(default 16)")

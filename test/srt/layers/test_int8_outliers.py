@@ -128,9 +128,10 @@ def test_flags_and_auto_resolution():
     assert QUANTIZATIONS == matmul_paths.QUANTIZATIONS
     assert choose_large_path("auto", "w8a8_int8_outliers", avx2_cpu) == "w8a8_int8_outliers"
     assert choose_large_path("float32", "w8a8_int8", avx2_cpu) == "w8a8_int8"  # unchanged
-    # auto on an AVX2 CPU: the int8 path when its fidelity passed, float32 stays exact by flag.
-    expected = ("w8a8_int8_outliers" if FIDELITY["w8a8_int8_outliers"]["passed"]
-                else "float32")
+    # auto on an AVX2 CPU: the first fbgemm path whose fidelity passed (float16 weights before
+    # the int8 ones), float32 without fbgemm; float32 stays exact by flag.
+    passed = [p for p in matmul_paths.FBGEMM_PATHS if FIDELITY[p]["passed"]]
+    expected = passed[0] if passed and matmul_paths.int8_available() else "float32"
     assert choose_large_path("auto", None, avx2_cpu) == expected
     assert choose_large_path("float32", None, avx2_cpu) == "float32"
     if matmul_paths.auto_eligible("bfloat16"):

@@ -19,8 +19,9 @@ from airserve_testing.tiny_gguf import random_packed
 # Relative error (Frobenius norm) of x @ w.T + b against float64 on Gaussian x and w:
 # float32 sums in float32 (~1e-7 per product); bfloat16 rounds x and w to 8 significant bits
 # (~3e-3) and accumulates in float32; w8a8_int8 rounds w to 127 levels per output channel and
-# x to 7 bits per tensor (fbgemm's reduce_range on AVX2), ~2e-2.
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "w8a8_int8": 5e-2}
+# x to 7 bits per tensor (fbgemm's reduce_range on AVX2), ~2e-2; float16_weights rounds w alone
+# to 11 significant bits (~3e-4) and multiplies in float32.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16_weights": 2e-3, "w8a8_int8": 5e-2}
 SHAPES = [(9, 64, 40), (33, 576, 192), (300, 96, 200)]  # (rows, K, N)
 NEEDS_INT8 = pytest.mark.skipif(not matmul_paths.int8_available(),
                                 reason="torch has no fbgemm engine on this machine")
@@ -31,6 +32,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("path", ["float32", "bfloat16",
+                                  pytest.param("float16_weights", marks=NEEDS_INT8),
                                   pytest.param("w8a8_int8", marks=NEEDS_INT8)])
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_path_against_float64(path, rows, k, n):
@@ -52,7 +54,7 @@ def test_path_against_float64(path, rows, k, n):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("path", ["bfloat16", "w8a8_int8"])
+@pytest.mark.parametrize("path", ["bfloat16", "float16_weights", "w8a8_int8"])
 def test_dispatch_per_rows_and_weights_from_blocks(path):
     """Decode rows up to packed_max_rows: the blocks; above, the path, its weight built from the
     blocks. Extend rows take the path whatever their count (a cached prompt's short tail is
@@ -74,7 +76,7 @@ def test_dispatch_per_rows_and_weights_from_blocks(path):
     assert 1e-6 < relative_error(extend, small.double() @ w.T) < TOLERANCE[path]
     torch.testing.assert_close(extend, layer(torch.cat([small, large]))[:4], atol=1e-5, rtol=0)
     assert layer.weight_bytes(4) == packed.nbytes
-    assert layer.weight_bytes(5) < 64 * 48 * 4 / 1.9  # bf16 or int8, not float32
+    assert layer.weight_bytes(5) < 64 * 48 * 4 / 1.9  # bf16, float16 or int8, not float32
     report = matmul_path_report([layer])
     assert report == [{"rows": "1-4", "path": "packed", "extend_rows": "large path"},
                       {"rows": "5+", "path": path}]
@@ -103,8 +105,14 @@ def test_resolution_per_cpu_flags():
         assert matmul_paths.auto_eligible(chosen), chosen
     expected = "bfloat16" if matmul_paths.auto_eligible("bfloat16") else "float32"
     if not matmul_paths.int8_available() or not any(
-            matmul_paths.auto_eligible(p) for p in matmul_paths.INT8_PATHS):
+            matmul_paths.auto_eligible(p) for p in matmul_paths.FBGEMM_PATHS):
         assert choose_large_path("auto", None, bf16_cpu) == expected
+    # Without bf16 dot products, float16 weights (passed; fbgemm's float32 arithmetic) come
+    # before float32 wherever fbgemm is.
+    assert FIDELITY["float16_weights"]["passed"]
+    assert choose_large_path("auto", None, avx2_cpu) == (
+        "float16_weights" if matmul_paths.int8_available() else "float32")
+    assert choose_large_path("float32", None, avx2_cpu) == "float32"  # exact by flag
 
 
 def test_server_args_resolve_on_this_cpu():
@@ -118,6 +126,8 @@ def test_server_args_resolve_on_this_cpu():
             ServerArgs(dtype="bfloat16")
     if matmul_paths.int8_available():
         assert ServerArgs(quantization="w8a8_int8").resolved_large_path == "w8a8_int8"
+        assert (ServerArgs(quantization="float16_weights").resolved_large_path
+                == "float16_weights")
     with pytest.raises(ValueError, match="quantization='fp8'"):
         ServerArgs(quantization="fp8")
     with pytest.raises(ValueError, match="cpu only"):
@@ -125,6 +135,32 @@ def test_server_args_resolve_on_this_cpu():
     # OpenVINO graphs take their own weights: the path stays float32 under that runner.
     ov = ServerArgs(dtype="float32", enable_torch_compile=True, torch_compile_backend="openvino")
     assert ov.resolved_large_path == "float32"
+
+
+@NEEDS_INT8
+def test_float16_weights_round_the_weight_only():
+    """float16_weights multiplies float32 activations by the weight rounded to float16, in float32
+    arithmetic: against float64 over the float16-rounded weight it is as close as float32 is to
+    its own reference (the activations are not rounded), and a weight beyond float16's range is
+    refused with the flag to use instead."""
+    torch.manual_seed(11)
+    layer = Linear(576, 200, bias=False)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+    w16 = layer.weight.detach().half().double()
+    layer.set_large_path("float16_weights")
+    assert layer.weight is None and layer.weight_bytes(64) == 576 * 200 * 2
+    x = torch.randn(64, 576) * torch.logspace(-3, 3, 576)  # activations of very unequal size
+    assert relative_error(layer(x), x.double() @ w16.T) < TOLERANCE["float32"]
+    # The compiled form reaches the same operator through its handle.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x)
+    assert "airserve::fp16_weight_linear" in {e.name for e in prof.events()}
+    big = Linear(8, 4, bias=False)
+    with torch.no_grad():
+        big.weight.fill_(1e5)
+    with pytest.raises(ValueError, match="--dtype float32"):
+        big.set_large_path("float16_weights")
 
 
 def test_bf16_residual_channels_against_float64():

@@ -38,7 +38,7 @@ def large_paths() -> list[tuple[str, str]]:
     if matmul_paths.onednn_available():
         paths.append(("float32", "onednn"))
     if matmul_paths.int8_available():
-        paths.append(("w8a8_int8", "sgemm"))
+        paths += [("w8a8_int8", "sgemm"), ("float16_weights", "sgemm")]
     return paths
 
 

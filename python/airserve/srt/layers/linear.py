@@ -35,11 +35,14 @@ from airserve.srt.layers.quant.matmul_paths import (
     PATHS,
     Bf16Weight,
     Float32Weight,
+    Fp16Weight,
     Int8Weight,
     bf16_linear,
+    fp16_weight_linear,
     onednn_linear,
     pack_bf16,
     pack_float32,
+    pack_fp16,
     pack_int8,
     w8a8_linear,
 )
@@ -47,7 +50,7 @@ from airserve.srt.layers.quant.packed_or_large import packed_or_large
 
 # Weight forms a Linear holds outside its parameters and buffers (oneDNN-reordered, fbgemm-packed
 # objects, reached by graphs through integer handles).
-OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8", "weight_bf16")
+OPAQUE_WEIGHTS = ("weight_onednn", "weight_int8", "weight_bf16", "weight_fp16")
 
 # A layer without a float weight multiplies large batches with its weight dequantized in chunks
 # of about this many values (16 MiB of float32) at a time.
@@ -71,6 +74,7 @@ class Linear(nn.Linear):
     weight_int8: Int8Weight | None = None  # w8a8_int8's packed weight
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
     weight_bf16: Bf16Weight | None = None  # bfloat16's weight (oneDNN-reordered bf16)
+    weight_fp16: Fp16Weight | None = None  # float16_weights' weight (fbgemm-packed float16)
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -143,6 +147,7 @@ class Linear(nn.Linear):
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
         self.weight_bf16 = (pack_bf16(self.float_weight(), outliers)
                             if path == "bfloat16" else None)
+        self.weight_fp16 = pack_fp16(self.float_weight()) if path == "float16_weights" else None
         outlier_path = path == "w8a8_int8_outliers"
         if outlier_path and outliers is None:
             raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
@@ -204,6 +209,8 @@ class Linear(nn.Linear):
             return sum(p.nbytes for p in self.packed_parts)
         if path == "bfloat16":
             return self.weight_bf16.nbytes
+        if path == "float16_weights":
+            return self.weight_fp16.nbytes
         if path in INT8_PATHS:
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
@@ -240,6 +247,8 @@ class Linear(nn.Linear):
             out = bf16_linear(x.contiguous(), self.weight_bf16, keep_bf16)
         elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
+        elif path == "float16_weights":
+            out = fp16_weight_linear(x.contiguous(), self.weight_fp16.handle).to(x.dtype)
         elif self.weight_onednn is not None:
             out = onednn_linear(x.contiguous(), self.weight_onednn.handle)
         elif self.weight is None:

@@ -1,5 +1,6 @@
 """CPUGraphRunner buckets above --packed-decode-max-bs run the large-batch matmul path
-(w8a8_int8, on any x86 CPU with fbgemm; bfloat16 too on CPUs with bf16 dot products) and match
+(w8a8_int8 and float16_weights, on any x86 CPU with fbgemm; bfloat16 too on CPUs with bf16 dot
+products) and match
 eager on the same path; buckets at or below the limit keep the packed kernels. Tiny GGUF model
 with Q4_0/Q4_1/Q8_0 layers."""
 
@@ -107,3 +108,29 @@ def test_bf16_buckets_match_eager_on_the_same_path(bf16_runners, bs):
     assert (lf - le).abs().max() > BF16_ATOL
     for r in reqs:
         r.release()
+
+
+@pytest.fixture(scope="module")
+def fp16_runners(tmp_path_factory):
+    return tiny_gguf_runners(str(tmp_path_factory.mktemp("fp16w")), BUCKETS, PACKED_LIMIT,
+                             reference=dict(dtype="float32"), quantization="float16_weights")
+
+
+@pytest.mark.parametrize("bs", [2, 3, 4])
+def test_float16_weight_buckets_match_eager_on_the_same_path(fp16_runners, bs):
+    graph, eager, float32 = fp16_runners
+    layers = [m for m in graph.model.modules() if isinstance(m, Linear)]
+    assert all(m.path_for(bs) == ("packed" if bs <= PACKED_LIMIT else "float16_weights")
+               for m in layers)
+    te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
+    assert not graph.fallback_counts
+    ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
+    assert ("airserve::fp16_weight_linear" in ops) == (bs > PACKED_LIMIT), ops
+    for r in reqs:
+        r.release()
+    if bs > PACKED_LIMIT:  # not float32 twice: the weights' float16 rounding shows
+        prompts = random_prompts(graph.model_config.vocab_size, [5, 17, 9, 12][:bs])
+        lf, le, _, _, reqs = run_side_by_side(float32, eager, prompts, steps=1)
+        assert (lf - le).abs().max() > 0
+        for r in reqs:
+            r.release()

@@ -130,8 +130,10 @@ at::Tensor bf16_linear_from_bf16(const at::Tensor& xb, const at::Tensor& err, in
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
                  const OptTensor& weight) {
   if (path == "bf16") return bf16_linear_cpp(x, handle, false).to(x.scalar_type());
-  if (path == "onednn" || path == "int8") {
-    const char* name = path == "onednn" ? "airserve::onednn_linear" : "airserve::w8a8_linear";
+  if (path == "onednn" || path == "int8" || path == "fp16") {
+    const char* name = path == "onednn" ? "airserve::onednn_linear"
+                       : path == "int8" ? "airserve::w8a8_linear"
+                                        : "airserve::fp16_weight_linear";
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<HandleFn>();
     return op.call(x, handle).to(x.scalar_type());
   }

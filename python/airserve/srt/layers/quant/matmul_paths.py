@@ -10,6 +10,12 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              float32; without them oneDNN emulates bf16 and it is slower than float32, so it is
              refused there). down_proj layers (BF16_RESIDUAL_LAYERS) add back, in float32, the
              bf16 rounding error of a few outlier input channels found at load.
+  float16_weights  float16 weights (fbgemm's packed layout), float32 activations and float32
+             arithmetic (fbgemm converts the weight tiles as it multiplies: AVX2 or AVX-512,
+             chosen by fbgemm at run time). Half the weight bytes of float32; the only
+             rounding is the weight's to float16 (11 significant bits, no activation rounding).
+             Where a CPU has no bf16 dot products it multiplies faster than oneDNN's float32
+             at this model's decode-batch shapes (`FLOAT16_WEIGHTS_NOTE`).
   w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
@@ -48,6 +54,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     BF16_RESIDUAL_CHANNELS,
     BF16_RESIDUAL_LAYERS,
     DEFAULT_OUTLIER_CHANNELS,
+    FBGEMM_PATHS,
     FIDELITY,
     FLOAT32_IMPLS,
     INT8_PATHS,
@@ -161,6 +168,66 @@ def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None,
                              outlier_weight, weight_bits)
     _INT8_WEIGHTS[weight_int8.handle] = weight_int8
     return weight_int8
+
+
+# Why float16_weights: benchmark/kernels/bench_matmul_paths.py --candidates f32 f32_onednn fp16w
+# (2 threads, 2-core AMD EPYC Zen 3, AVX2 + FMA + F16C only, median of 30 interleaved repeats,
+# GFLOP/s; results/matmul_paths_fp16w_amd_epyc_zen3_avx2.json): at 64 rows, merged qkv
+# [576 -> 960] 122 against oneDNN float32's 97, gate_up [576 -> 3072] 125 / 101, down
+# [1536 -> 576] 102 / 91, o [576 -> 576] 102 / 94, lm_head [576 -> 49152] 105 / 106; at 16
+# rows 1.3-1.6x; at 512 rows (prefill chunks) 0.9-1.13x.
+FLOAT16_WEIGHTS_NOTE = "results/matmul_paths_fp16w_amd_epyc_zen3_avx2.json"
+
+
+@dataclass
+class Fp16Weight:
+    """float16_weights' [N, K] weight: float16 values in fbgemm's packed layout."""
+
+    packed: object  # torch.classes.quantized.LinearPackedParamsBase
+    out_features: int
+    in_features: int
+    handle: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 2
+
+
+_FP16_WEIGHTS: weakref.WeakValueDictionary[int, Fp16Weight] = weakref.WeakValueDictionary()
+
+_lib.define("fp16_weight_linear(Tensor x, int handle) -> Tensor")
+
+
+@torch.library.impl(_lib, "fp16_weight_linear", "CPU")
+def _fp16_weight_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, _FP16_WEIGHTS[handle].packed)
+
+
+@torch.library.register_fake("airserve::fp16_weight_linear")
+def _fp16_weight_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _FP16_WEIGHTS[handle].out_features)
+
+
+def pack_fp16(weight: torch.Tensor) -> Fp16Weight:
+    """Round a float [N, K] weight to float16 and pack it for fbgemm; the caller keeps the
+    result, `fp16_weight_linear` takes its handle. Raises ValueError for values float16 cannot
+    hold (|w| > 65504: fbgemm would clamp them)."""
+    if not int8_available():
+        raise RuntimeError("torch has no fbgemm engine here: float16_weights is unavailable")
+    w = weight.detach().float().contiguous()
+    big = float(w.abs().max()) if w.numel() else 0.0
+    if big > torch.finfo(torch.float16).max:
+        raise ValueError(f"weight values up to {big:g} exceed float16's range: use "
+                         "--dtype float32 for this model")
+    packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+    weight_fp16 = Fp16Weight(packed, w.shape[0], w.shape[1], next(_handles))
+    _FP16_WEIGHTS[weight_fp16.handle] = weight_fp16
+    return weight_fp16
+
+
+def fp16_weight_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] through the float16 weight `handle`."""
+    return torch.ops.airserve.fp16_weight_linear(x, handle)
 
 
 def w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:

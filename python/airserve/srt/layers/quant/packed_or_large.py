@@ -48,6 +48,8 @@ def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | Non
         return "bf16", layer.weight_bf16.handle, None
     if layer.large_path in INT8_PATHS:
         return "int8", layer.weight_int8.handle, None
+    if layer.large_path == "float16_weights":
+        return "fp16", layer.weight_fp16.handle, None
     if layer.weight_onednn is not None:
         return "onednn", layer.weight_onednn.handle, None
     if layer.weight is not None:

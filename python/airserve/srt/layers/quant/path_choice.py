@@ -8,10 +8,12 @@ and the flags call them only when they need them.
 
 from __future__ import annotations
 
-PATHS = ("float32", "bfloat16", "w8a8_int8", "w8a8_int8_outliers")
+PATHS = ("float32", "bfloat16", "float16_weights", "w8a8_int8", "w8a8_int8_outliers")
 INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
+# fbgemm's products (x86 with AVX2 or better): the int8 paths and float16 weights.
+FBGEMM_PATHS = ("float16_weights",) + INT8_PATHS
 FLOAT32_IMPLS = ("onednn", "sgemm")
-QUANTIZATIONS = INT8_PATHS  # --quantization values; None: the path follows --dtype
+QUANTIZATIONS = FBGEMM_PATHS  # --quantization values; None: the path follows --dtype
 # Input channels per layer that w8a8_int8_outliers keeps in float32 (--int8-outlier-channels).
 DEFAULT_OUTLIER_CHANNELS = 16
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
@@ -47,6 +49,9 @@ FIDELITY = {
     # passes: last-bit changes upstream of a bf16 rounding move this path's figures by
     # ~0.1-0.3 points either way).
     "bfloat16": {"passed": True, "top1_agreement": 0.9854, "ppl_change": 0.0012},
+    # The weights' float16 rounding only: 100.00% / +0.01% on a Zen 3 EPYC (AVX2), 1,992 tokens
+    # (benchmark/kernels/results/fidelity_paths_float16_weights_amd_epyc_zen3_avx2.json).
+    "float16_weights": {"passed": True, "top1_agreement": 1.0, "ppl_change": 0.0001},
     "w8a8_int8": {"passed": False, "top1_agreement": 0.8243, "ppl_change": 0.1274},
     # 16 outlier channels per layer (the default), 8-bit activations, 7-bit weights; other
     # variants (more channels, lm_head float32, SmoothQuant scales) in the README: none passed.
@@ -88,7 +93,8 @@ def cpu_has_bf16(flags: frozenset[str]) -> bool:
 
 
 def int8_available() -> bool:
-    """Whether torch has fbgemm here (x86 with AVX2 or better)."""
+    """Whether torch has fbgemm here (x86 with AVX2 or better): the int8 paths and float16
+    weights."""
     import torch
 
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -97,9 +103,9 @@ def int8_available() -> bool:
 def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str]) -> str:
     """The path of products above the packed limit for --dtype, --quantization and a CPU with
     `flags`. Raises ValueError naming the fix when the CPU cannot run the requested path."""
-    if quantization in INT8_PATHS:
+    if quantization in FBGEMM_PATHS:
         if not int8_available():
-            raise ValueError(f"--quantization {quantization} needs torch's fbgemm int8 kernels "
+            raise ValueError(f"--quantization {quantization} needs torch's fbgemm kernels "
                              "(an x86 CPU with AVX2); this torch has none: drop --quantization")
         return quantization
     if quantization is not None:
@@ -118,9 +124,9 @@ def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str
 def auto_path(flags: frozenset[str]) -> str:
     """The fastest path on a CPU with `flags` among those whose fidelity passed."""
     ranked = ["bfloat16"] if cpu_has_bf16(flags) else []
-    int8 = [p for p in INT8_PATHS if auto_eligible(p)]
-    if int8 and int8_available():  # the probe imports torch: only for a path auto may take
-        ranked += int8
+    fbgemm = [p for p in FBGEMM_PATHS if auto_eligible(p)]
+    if fbgemm and int8_available():  # the probe imports torch: only for a path auto may take
+        ranked += fbgemm
     ranked.append("float32")
     return next(p for p in ranked if auto_eligible(p))
 
