@@ -116,8 +116,9 @@ def test_path_check_runs_each_path_and_restores_float32(tiny_path_runner):
 
     # bfloat16 calibrates its down_proj residual channels with the model's tokenizer.
     tokenizer = get_tokenizer(runner.server_args.model_path)
-    rows = fidelity.compare_paths(runner, seqs, ["bfloat16", "w8a8_int8"], tokenizer)
-    assert [r["path"] for r in rows] == ["bfloat16", "w8a8_int8"]
+    paths = ["bfloat16", "float16_weights", "w8a8_int8"]
+    rows = fidelity.compare_paths(runner, seqs, paths, tokenizer)
+    assert [r["path"] for r in rows] == paths
     for r in rows:
         assert r["tokens"] == 2 * 39 and r["ppl"] != r["ppl_float32"], r
         assert r["top1_agreement"] > 0.8 and r["ppl_change"] < 0.05, r

@@ -152,10 +152,23 @@ def test_float16_weights_round_the_weight_only():
     assert layer.weight is None and layer.weight_bytes(64) == 576 * 200 * 2
     x = torch.randn(64, 576) * torch.logspace(-3, 3, 576)  # activations of very unequal size
     assert relative_error(layer(x), x.double() @ w16.T) < TOLERANCE["float32"]
-    # The compiled form reaches the same operator through its handle.
+    # Compiled graphs reach the same product through its handle (the C++ one where built), and
+    # the C++ operator gives the Python one's bits.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         layer(x)
-    assert "airserve::fp16_weight_linear" in {e.name for e in prof.events()}
+    cpp = cpu_kernels.available()
+    name = "airserve::fp16_weight_linear_cpp" if cpp else "airserve::fp16_weight_linear"
+    assert name in {e.name for e in prof.events()}
+    handle = layer.weight_fp16.handle
+    if cpp:
+        assert torch.equal(torch.ops.airserve.fp16_weight_linear_cpp(x, handle),
+                           torch.ops.airserve.fp16_weight_linear(x, handle))
+        del layer, prof  # the float16 weight goes, and C++ forgets it
+        import gc
+
+        gc.collect()
+        with pytest.raises(RuntimeError, match=f"no float16 weight {handle}"):
+            torch.ops.airserve.fp16_weight_linear_cpp(x, handle)
     big = Linear(8, 4, bias=False)
     with torch.no_grad():
         big.weight.fill_(1e5)

@@ -72,7 +72,7 @@ def _runnable_auto_paths() -> list[str]:
     paths = [p for p in matmul_paths.PATHS if p != "float32" and matmul_paths.auto_eligible(p)]
     return [pytest.param(p, marks=pytest.mark.skipif(
         (p == "bfloat16" and not matmul_paths.cpu_has_bf16(flags))
-        or (p in matmul_paths.INT8_PATHS and not matmul_paths.int8_available()),
+        or (p in matmul_paths.FBGEMM_PATHS and not matmul_paths.int8_available()),
         reason=f"this CPU cannot run {p}")) for p in paths]
 
 

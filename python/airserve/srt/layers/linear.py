@@ -248,7 +248,7 @@ class Linear(nn.Linear):
         elif path in INT8_PATHS:
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif path == "float16_weights":
-            out = fp16_weight_linear(x.contiguous(), self.weight_fp16.handle).to(x.dtype)
+            out = fp16_weight_linear(x.contiguous(), self.weight_fp16).to(x.dtype)
         elif self.weight_onednn is not None:
             out = onednn_linear(x.contiguous(), self.weight_onednn.handle)
         elif self.weight is None:

@@ -5,6 +5,7 @@
 // same operators the layer calls eagerly, through the dispatcher, so the results are the same.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -127,13 +128,51 @@ at::Tensor bf16_linear_from_bf16(const at::Tensor& xb, const at::Tensor& err, in
   return out.addmm_(err.contiguous(), *w.residual);
 }
 
+// ---- float16_weights' product, without a trip through Python ----
+//
+// quant/matmul_paths.py registers each fbgemm-packed float16 weight here as it packs it (and
+// releases it when its Fp16Weight goes); the product is fbgemm's, called on the packed object.
+using PackedLinear = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+std::mutex g_fp16_mutex;
+std::unordered_map<int64_t, PackedLinear>& fp16_weights() {
+  static std::unordered_map<int64_t, PackedLinear> weights;
+  return weights;
+}
+
+void fp16_weight_register(int64_t handle, const PackedLinear& packed) {
+  std::lock_guard<std::mutex> lock(g_fp16_mutex);
+  fp16_weights()[handle] = packed;
+}
+
+void fp16_weight_release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_fp16_mutex);
+  fp16_weights().erase(handle);
+}
+
+// x float32 [M, K] -> float32 [M, N]: fbgemm's float32 product over the float16 weight.
+at::Tensor fp16_weight_linear_cpp(const at::Tensor& x, int64_t handle) {
+  PackedLinear packed;
+  {
+    std::lock_guard<std::mutex> lock(g_fp16_mutex);
+    const auto it = fp16_weights().find(handle);
+    TORCH_CHECK(it != fp16_weights().end(), "airserve::fp16_weight_linear_cpp: no float16 "
+                "weight ", handle, " (released, or packed before the C++ kernels loaded)");
+    packed = it->second;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "airserve::fp16_weight_linear_cpp: x must be "
+              "float32, got ", x.scalar_type());
+  return packed->apply_dynamic(x.contiguous(), /*reduce_range=*/false);
+}
+
 at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
                  const OptTensor& weight) {
   if (path == "bf16") return bf16_linear_cpp(x, handle, false).to(x.scalar_type());
   if (path == "onednn" || path == "int8" || path == "fp16") {
+    // Through the dispatcher (a profiler sees them as they run eagerly).
     const char* name = path == "onednn" ? "airserve::onednn_linear"
                        : path == "int8" ? "airserve::w8a8_linear"
-                                        : "airserve::fp16_weight_linear";
+                                        : "airserve::fp16_weight_linear_cpp";
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<HandleFn>();
     return op.call(x, handle).to(x.scalar_type());
   }
@@ -189,6 +228,12 @@ TORCH_LIBRARY_FRAGMENT(airserve_bf16, lib) {
   lib.def("release_weight(int handle) -> ()", &bf16_weight_release);
 }
 
+TORCH_LIBRARY_FRAGMENT(airserve_fp16, lib) {
+  lib.def("register_weight(int handle, __torch__.torch.classes.quantized.LinearPackedParamsBase "
+          "packed) -> ()", &fp16_weight_register);
+  lib.def("release_weight(int handle) -> ()", &fp16_weight_release);
+}
+
 namespace {
 // The conversions bf16_linear_cpp uses, as operators (tests compare them with torch's).
 at::Tensor cast_to_bf16_op(const at::Tensor& x) { return airserve_cpu::cast_to_bf16(x); }
@@ -197,6 +242,7 @@ at::Tensor widen_to_f32_op(const at::Tensor& x) { return airserve_cpu::widen_to_
 
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("bf16_linear_cpp", &bf16_linear_cpp);
+  lib.impl("fp16_weight_linear_cpp", &fp16_weight_linear_cpp);
   lib.impl("bf16_linear_from_bf16", &bf16_linear_from_bf16);
   lib.impl("cast_to_bf16", &cast_to_bf16_op);
   lib.impl("widen_to_f32", &widen_to_f32_op);
