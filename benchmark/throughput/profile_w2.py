@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_w2 import MODES, PATH_ARGS  # noqa: E402
 
 MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise",
-              "airserve::onednn_linear", "aten::bmm")
+              "airserve::onednn_linear", "airserve::fp16_weight_linear_cpp", "aten::bmm")
 
 
 def build_engine(args: argparse.Namespace):

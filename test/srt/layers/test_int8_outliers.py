@@ -131,7 +131,7 @@ def test_flags_and_auto_resolution():
     # auto on an AVX2 CPU: the first fbgemm path whose fidelity passed (float16 weights before
     # the int8 ones), float32 without fbgemm; float32 stays exact by flag.
     passed = [p for p in matmul_paths.FBGEMM_PATHS if FIDELITY[p]["passed"]]
-    expected = passed[0] if passed and matmul_paths.int8_available() else "float32"
+    expected = passed[0] if passed and matmul_paths.fbgemm_cpu(avx2_cpu) else "float32"
     assert choose_large_path("auto", None, avx2_cpu) == expected
     assert choose_large_path("float32", None, avx2_cpu) == "float32"
     if matmul_paths.auto_eligible("bfloat16"):

@@ -111,7 +111,8 @@ def test_resolution_per_cpu_flags():
     # before float32 wherever fbgemm is.
     assert FIDELITY["float16_weights"]["passed"]
     assert choose_large_path("auto", None, avx2_cpu) == (
-        "float16_weights" if matmul_paths.int8_available() else "float32")
+        "float16_weights" if matmul_paths.fbgemm_cpu(avx2_cpu) else "float32")
+    assert choose_large_path("auto", None, frozenset({"sse4_2"})) == "float32"  # no AVX2
     assert choose_large_path("float32", None, avx2_cpu) == "float32"  # exact by flag
 
 

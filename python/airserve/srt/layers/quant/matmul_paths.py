@@ -57,6 +57,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     FBGEMM_PATHS,
     FIDELITY,
     FLOAT32_IMPLS,
+    fbgemm_cpu,
     INT8_PATHS,
     PATHS,
     QUANTIZATIONS,
@@ -225,7 +226,8 @@ def pack_fp16(weight: torch.Tensor) -> Fp16Weight:
     result, `fp16_weight_linear` takes its handle. Raises ValueError for values float16 cannot
     hold (|w| > 65504: fbgemm would clamp them)."""
     if not int8_available():
-        raise RuntimeError("torch has no fbgemm engine here: float16_weights is unavailable")
+        raise RuntimeError("torch has no fbgemm engine here: float16_weights is unavailable; "
+                           "use --dtype float32")
     w = weight.detach().float().contiguous()
     big = float(w.abs().max()) if w.numel() else 0.0
     if big > torch.finfo(torch.float16).max:

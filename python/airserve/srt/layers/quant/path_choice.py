@@ -92,6 +92,17 @@ def cpu_has_bf16(flags: frozenset[str]) -> bool:
     return any(f in flags for f in BF16_FLAGS)
 
 
+def fbgemm_cpu(flags: frozenset[str]) -> bool:
+    """Whether fbgemm's kernels run here, from the CPU alone (no torch import: the HTTP process
+    resolves `auto` too): an x86-64 CPU with AVX2 and FMA. torch's x86 builds carry fbgemm
+    (`int8_available` asks torch itself; the paths' weights are packed through it and raise
+    naming the flag where it is missing)."""
+    import platform
+
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and {"avx2", "fma"} <= set(flags))
+
+
 def int8_available() -> bool:
     """Whether torch has fbgemm here (x86 with AVX2 or better): the int8 paths and float16
     weights."""
@@ -124,9 +135,8 @@ def choose_large_path(dtype: str, quantization: str | None, flags: frozenset[str
 def auto_path(flags: frozenset[str]) -> str:
     """The fastest path on a CPU with `flags` among those whose fidelity passed."""
     ranked = ["bfloat16"] if cpu_has_bf16(flags) else []
-    fbgemm = [p for p in FBGEMM_PATHS if auto_eligible(p)]
-    if fbgemm and int8_available():  # the probe imports torch: only for a path auto may take
-        ranked += fbgemm
+    if fbgemm_cpu(flags):
+        ranked += [p for p in FBGEMM_PATHS if auto_eligible(p)]
     ranked.append("float32")
     return next(p for p in ranked if auto_eligible(p))
 
