@@ -3,10 +3,11 @@
 Two checks, both teacher-forced over ~2,000 tokens of the packaged text, both passing at top-1
 agreement >= 98% and perplexity within 1% of float32:
 
-- `--paths bfloat16 float16_weights w8a8_int8 w8a8_int8_outliers`: the matmul paths of prefill and large batches
-  (layers/quant/matmul_paths.py). The text is split into sequences of `--seq-len` tokens, each
-  prefilled in one forward pass with every position's logits, so every linear layer (lm_head
-  too) multiplies through the path; compared with the float32 path on the same model.
+- `--paths bfloat16 float16_weights w8a8_int8 w8a8_int8_outliers`: the matmul paths of prefill
+  and large batches (layers/quant/matmul_paths.py). The text is split into sequences of
+  `--seq-len` tokens, each prefilled in one forward pass with every position's logits, so every
+  linear layer (lm_head too) multiplies through the path; compared with the float32 path on the
+  same model.
 - `--kv-cache-dtypes bfloat16 float16`: the KV cache's element type. Every position is a
   decode step (below) that writes its K/V into the cache and attends over the cache as decode
   attention reads it, on the default model; each dtype is checked twice against float32 KV

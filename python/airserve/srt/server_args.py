@@ -326,9 +326,9 @@ class ServerArgs:
     @property
     def resolved_large_path(self) -> str:
         """How linear layers multiply inputs above the packed limit on this CPU (float32,
-        bfloat16, float16_weights or an int8 path): --quantization, else --dtype, `auto` the fastest path here whose
-        fidelity passed. float32 off cpu and under OpenVINO (its graphs take their own
-        weights)."""
+        bfloat16, float16_weights or an int8 path): --quantization, else --dtype, `auto` the
+        fastest path here whose fidelity passed. float32 off cpu and under OpenVINO (its graphs
+        take their own weights)."""
         if self.device != "cpu" or self.uses_openvino:
             return "float32"
         from airserve.srt.hardware import host_cpu

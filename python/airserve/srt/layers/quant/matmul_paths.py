@@ -15,7 +15,7 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              chosen by fbgemm at run time). Half the weight bytes of float32; the only
              rounding is the weight's to float16 (11 significant bits, no activation rounding).
              Where a CPU has no bf16 dot products it multiplies faster than oneDNN's float32
-             at this model's decode-batch shapes (`FLOAT16_WEIGHTS_NOTE`).
+             at this model's decode-batch shapes (measured: the note above `Fp16Weight`).
   w8a8_int8  SGLang's name: int8 weights per output channel, activations quantized per token
              (dynamic, 7-bit: fbgemm's reduce_range), integer products in fbgemm (AVX2 or
              AVX-512 kernels, chosen by fbgemm at run time). fbgemm packs from torch's
@@ -57,7 +57,6 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     FBGEMM_PATHS,
     FIDELITY,
     FLOAT32_IMPLS,
-    fbgemm_cpu,
     INT8_PATHS,
     PATHS,
     QUANTIZATIONS,
@@ -67,6 +66,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     choose_float32_impl,
     choose_large_path,
     cpu_has_bf16,
+    fbgemm_cpu,
     int8_available,
     onednn_available,
 )
@@ -172,12 +172,12 @@ def pack_int8(weight: torch.Tensor, outliers: torch.Tensor | None = None,
 
 
 # Why float16_weights: benchmark/kernels/bench_matmul_paths.py --candidates f32 f32_onednn fp16w
-# (2 threads, 2-core AMD EPYC Zen 3, AVX2 + FMA + F16C only, median of 30 interleaved repeats,
-# GFLOP/s; results/matmul_paths_fp16w_amd_epyc_zen3_avx2.json): at 64 rows, merged qkv
-# [576 -> 960] 122 against oneDNN float32's 97, gate_up [576 -> 3072] 125 / 101, down
-# [1536 -> 576] 102 / 91, o [576 -> 576] 102 / 94, lm_head [576 -> 49152] 105 / 106; at 16
-# rows 1.3-1.6x; at 512 rows (prefill chunks) 0.9-1.13x.
-FLOAT16_WEIGHTS_NOTE = "results/matmul_paths_fp16w_amd_epyc_zen3_avx2.json"
+# float16_weights (2 threads, 2-core AMD EPYC Zen 3, AVX2 + FMA + F16C only, median of 30
+# interleaved repeats, GFLOP/s; results/matmul_paths_fp16w_amd_epyc_zen3_avx2.json): at 64 rows,
+# merged qkv [576 -> 960] 112 against oneDNN float32's 80, gate_up [576 -> 3072] 112 / 89, down
+# [1536 -> 576] 96 / 75, o [576 -> 576] 91 / 85, lm_head [576 -> 49152] 100 / 107; at 16 rows
+# 1.1-1.6x; at 512 rows (prefill chunks) 0.95-1.15x. W2 on the same CPU: 1.17x the float32
+# path's output rate (README, "Against OpenVINO GenAI: W2").
 
 
 @dataclass
