@@ -55,29 +55,48 @@ struct Bf16Weight {
   OptTensor residual;  // float32 [k, N]: the weight's columns there
 };
 
-std::mutex g_bf16_mutex;
-std::unordered_map<int64_t, Bf16Weight>& bf16_weights() {
-  static std::unordered_map<int64_t, Bf16Weight> weights;
-  return weights;
+// Weights registered from Python by handle (the handle a compiled graph holds), one store per
+// weight form; lookups copy the entry out under the lock.
+template <typename W>
+class WeightStore {
+ public:
+  explicit WeightStore(const char* what) : what_(what) {}
+  void put(int64_t handle, W weight) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    weights_[handle] = std::move(weight);
+  }
+  void erase(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    weights_.erase(handle);
+  }
+  W get(int64_t handle, const char* op) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = weights_.find(handle);
+    TORCH_CHECK(it != weights_.end(), op, ": no ", what_, " weight ", handle,
+                " (released, or packed before the C++ kernels loaded)");
+    return it->second;
+  }
+
+ private:
+  const char* what_;
+  std::mutex mutex_;
+  std::unordered_map<int64_t, W> weights_;
+};
+
+WeightStore<Bf16Weight>& bf16_weights() {
+  static WeightStore<Bf16Weight> store("bf16");
+  return store;
 }
 
 void bf16_weight_register(int64_t handle, const at::Tensor& packed, bool onednn,
                           const OptTensor& channels, const OptTensor& residual) {
-  std::lock_guard<std::mutex> lock(g_bf16_mutex);
-  bf16_weights()[handle] = Bf16Weight{packed, onednn, channels, residual};
+  bf16_weights().put(handle, Bf16Weight{packed, onednn, channels, residual});
 }
 
-void bf16_weight_release(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_bf16_mutex);
-  bf16_weights().erase(handle);
-}
+void bf16_weight_release(int64_t handle) { bf16_weights().erase(handle); }
 
 Bf16Weight bf16_weight(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_bf16_mutex);
-  const auto it = bf16_weights().find(handle);
-  TORCH_CHECK(it != bf16_weights().end(), "airserve::bf16_linear_cpp: no bf16 weight ",
-              handle, " (released, or packed before the C++ kernels loaded)");
-  return it->second;
+  return bf16_weights().get(handle, "airserve::bf16_linear_cpp");
 }
 
 using LinearPointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -134,32 +153,20 @@ at::Tensor bf16_linear_from_bf16(const at::Tensor& xb, const at::Tensor& err, in
 // releases it when its Fp16Weight goes); the product is fbgemm's, called on the packed object.
 using PackedLinear = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-std::mutex g_fp16_mutex;
-std::unordered_map<int64_t, PackedLinear>& fp16_weights() {
-  static std::unordered_map<int64_t, PackedLinear> weights;
-  return weights;
+WeightStore<PackedLinear>& fp16_weights() {
+  static WeightStore<PackedLinear> store("float16");
+  return store;
 }
 
 void fp16_weight_register(int64_t handle, const PackedLinear& packed) {
-  std::lock_guard<std::mutex> lock(g_fp16_mutex);
-  fp16_weights()[handle] = packed;
+  fp16_weights().put(handle, packed);
 }
 
-void fp16_weight_release(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_fp16_mutex);
-  fp16_weights().erase(handle);
-}
+void fp16_weight_release(int64_t handle) { fp16_weights().erase(handle); }
 
 // x float32 [M, K] -> float32 [M, N]: fbgemm's float32 product over the float16 weight.
 at::Tensor fp16_weight_linear_cpp(const at::Tensor& x, int64_t handle) {
-  PackedLinear packed;
-  {
-    std::lock_guard<std::mutex> lock(g_fp16_mutex);
-    const auto it = fp16_weights().find(handle);
-    TORCH_CHECK(it != fp16_weights().end(), "airserve::fp16_weight_linear_cpp: no float16 "
-                "weight ", handle, " (released, or packed before the C++ kernels loaded)");
-    packed = it->second;
-  }
+  const PackedLinear packed = fp16_weights().get(handle, "airserve::fp16_weight_linear_cpp");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "airserve::fp16_weight_linear_cpp: x must be "
               "float32, got ", x.scalar_type());
   return packed->apply_dynamic(x.contiguous(), /*reduce_range=*/false);

@@ -236,12 +236,7 @@ def pack_fp16(weight: torch.Tensor) -> Fp16Weight:
     packed = torch.ops.quantized.linear_prepack_fp16(w, None)
     weight_fp16 = Fp16Weight(packed, w.shape[0], w.shape[1], next(_handles))
     _FP16_WEIGHTS[weight_fp16.handle] = weight_fp16
-    from airserve.srt.layers import cpu_kernels
-
-    if cpu_kernels.available():
-        torch.ops.airserve_fp16.register_weight(weight_fp16.handle, packed)
-        weakref.finalize(weight_fp16, torch.ops.airserve_fp16.release_weight, weight_fp16.handle)
-        weight_fp16.in_cpp = True
+    weight_fp16.in_cpp = _register_in_cpp(weight_fp16, torch.ops.airserve_fp16, packed)
     return weight_fp16
 
 
@@ -400,15 +395,16 @@ def _widen_to_f32_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
-def _register_in_cpp(weight: Bf16Weight) -> bool:
-    """Hand `weight` to the C++ product (released with `weight`); False without the kernels."""
+def _register_in_cpp(weight: Bf16Weight | Fp16Weight, store: object, *fields: object) -> bool:
+    """Hand `weight` (its handle and `fields`) to a C++ product's store (`store`: the
+    operator namespace torch.ops.airserve_bf16 or airserve_fp16), released with `weight`;
+    False without the kernels."""
     from airserve.srt.layers import cpu_kernels
 
     if not cpu_kernels.available():
         return False
-    torch.ops.airserve_bf16.register_weight(weight.handle, weight.packed, weight.onednn,
-                                            weight.channels, weight.residual_weight)
-    weakref.finalize(weight, torch.ops.airserve_bf16.release_weight, weight.handle)
+    store.register_weight(weight.handle, *fields)
+    weakref.finalize(weight, store.release_weight, weight.handle)
     return True
 
 
@@ -427,7 +423,9 @@ def pack_bf16(weight: torch.Tensor, channels: torch.Tensor | None = None,
     weight_bf16 = Bf16Weight(packed, w.shape[0], w.shape[1], onednn, next(_handles), channels,
                              residual)
     _BF16_WEIGHTS[weight_bf16.handle] = weight_bf16
-    weight_bf16.in_cpp = _register_in_cpp(weight_bf16)
+    weight_bf16.in_cpp = _register_in_cpp(weight_bf16, torch.ops.airserve_bf16,
+                                          weight_bf16.packed, weight_bf16.onednn,
+                                          weight_bf16.channels, weight_bf16.residual_weight)
     return weight_bf16
 
 
