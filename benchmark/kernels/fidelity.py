@@ -12,8 +12,9 @@ agreement >= 98% and perplexity within 1% of float32:
   decode step (below) that writes its K/V into the cache and attends over the cache as decode
   attention reads it, on the default model; each dtype is checked twice against float32 KV
   with float32 matmuls: with float32 matmuls (the cache alone), and with every row, decode rows
-  too, multiplied through the bfloat16 path (what a large decode batch runs when `auto` takes
-  bfloat16: the two roundings together; only on a CPU with bf16 dot products).
+  too, multiplied through the path `auto` takes for large batches on this CPU (bfloat16 where
+  it has bf16 dot products, float16_weights on other x86 CPUs with AVX2): the two roundings
+  together.
   `int8-keys` / `int8-values` emulate a cache that would hold only the keys (values) as int8
   rows: a float16 cache whose keys (values) take the int8 row format's round trip (values and
   scale, the C++ quantizer) before they are written; float16 then rounds the dequantized
@@ -353,7 +354,7 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     """The KV cache dtypes' check (module docstring) on the default model over `n_tokens` of
     the packaged text, decoded teacher-forced `batch` sequences side by side."""
     from airserve.srt.hardware import host_cpu
-    from airserve.srt.layers.quant.path_choice import cpu_has_bf16
+    from airserve.srt.layers.quant.path_choice import cpu_has_bf16, fbgemm_cpu, int8_available
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.model_loader.loader import large_path_outliers, load_model, set_large_path
     from airserve.srt.server_args import ServerArgs
@@ -363,8 +364,12 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     # No packed decode kernels: every row multiplies through the large path, so that the
     # bfloat16 configurations round decode rows as a large batch does.
     cfg, model = load_model(None, "float32", "cpu", None, 0)
-    paths = ["float32"] + (["bfloat16"] if cpu_has_bf16(host_cpu()[1]) else [])
-    outliers = large_path_outliers(model, tokenizer, "bfloat16") if len(paths) > 1 else None
+    flags = host_cpu()[1]
+    # The float32 reference first, then the inexact paths `auto` may take on this CPU (each
+    # frees the float32 weights, which nothing brings back).
+    paths = (["float32"] + (["bfloat16"] if cpu_has_bf16(flags) else [])
+             + (["float16_weights"] if fbgemm_cpu(flags) and int8_available() else []))
+    outliers = large_path_outliers(model, tokenizer, "bfloat16") if "bfloat16" in paths else None
 
     current = ["float32"]
 
@@ -381,7 +386,6 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
 
     ref = run("float32", "float32")
     rows = []
-    # The bfloat16 path last: it replaces the float32 weights, which nothing brings back.
     for path in paths:
         for kv in kv_dtypes:
             t0 = time.perf_counter()

@@ -66,17 +66,25 @@ def test_kv_cache_dtype(capsys):
     import torch
 
     from airserve.srt.hardware import host_cpu
-    from airserve.srt.layers.quant.path_choice import cpu_has_bf16
+    from airserve.srt.layers.quant.path_choice import cpu_has_bf16, int8_available
 
-    # auto: float16 where the matmuls of prefill and large batches are bf16, else the model's.
+    # auto: float16 where the matmuls of prefill and large batches are inexact (bf16 or float16
+    # weights), else the model's.
     auto = parse_args([])
-    expected = torch.float16 if auto.resolved_large_path == "bfloat16" else torch.float32
+    inexact = auto.resolved_large_path in ("bfloat16", "float16_weights")
+    expected = torch.float16 if inexact else torch.float32
     assert auto.resolved_kv_cache_dtype(torch.float32) == expected
     assert parse_args(["--dtype", "float32"]).resolved_kv_cache_dtype(torch.float32) == \
         torch.float32
     if cpu_has_bf16(host_cpu()[1]):
         assert parse_args(["--dtype", "bfloat16"]).resolved_kv_cache_dtype(torch.float32) == \
             torch.float16
+    if int8_available():
+        fp16w = parse_args(["--quantization", "float16_weights"])
+        assert fp16w.resolved_kv_cache_dtype(torch.float32) == torch.float16
+        # The int8 paths keep the model's dtype (their fidelity was measured over float32 KV).
+        assert parse_args(["--quantization", "w8a8_int8"]).resolved_kv_cache_dtype(
+            torch.float32) == torch.float32
     # The OpenVINO runner keeps a float32 pool under auto whatever the matmuls.
     ov = parse_args(["--enable-torch-compile", "--torch-compile-backend", "openvino"])
     assert ov.resolved_kv_cache_dtype(torch.float32) == torch.float32
