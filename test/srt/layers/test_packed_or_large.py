@@ -82,3 +82,33 @@ def test_one_compiled_graph_serves_both_sides() -> None:
         x = torch.randn(rows, K, generator=g)
         assert torch.equal(step(x), lin(x, True)), rows
     assert len(graphs) == 1  # no guard on the limit
+
+
+def test_single_segment_codes_match_the_cpp_tables() -> None:
+    """packed_or_large_1 takes its kind, activations and large path as indices into the Python
+    tables; the C++ operator must hold the same names in the same order, and refuse a code
+    outside them."""
+    from airserve.srt.layers.quant import packed_or_large as pol
+
+    names = torch.ops.airserve_codes.packed_or_large_names
+    assert names("kind") == list(block_matvec.KINDS)
+    assert names("activations") == list(pol.ACTIVATIONS)
+    assert names("path") == list(pol.LARGE_PATHS)
+    lin = layer(("q4_1",))
+    qs, d, m = lin._segment(0)
+    x = torch.randn(2, K)
+    for bad in ({"kind": len(block_matvec.KINDS)}, {"path": -1}, {"activations": 7}):
+        args = {"kind": 0, "activations": 0, "path": 0} | bad
+        with pytest.raises(RuntimeError, match=f"{next(iter(bad))} code"):
+            torch.ops.airserve.packed_or_large_1(x, LIMIT if "path" not in bad else 0,
+                                                 args["kind"], args["activations"], qs, d, m,
+                                                 args["path"], -1, lin.weight)
+
+
+def test_single_segment_schema_takes_the_light_cpp_wrapper_call() -> None:
+    """A schema of tensors and ints is one inductor's C++ wrapper calls through its StableIValue
+    bridge instead of building an IValue stack with strings per call (the wrapper's compile
+    time, quant/packed_or_large.py)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    assert CppWrapperCpu._compatible_with_stableivalue(torch.ops.airserve.packed_or_large_1.default)

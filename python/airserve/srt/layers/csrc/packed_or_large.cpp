@@ -217,14 +217,44 @@ at::Tensor packed_or_large(const at::Tensor& x, int64_t max_rows, const std::str
   return at::cat(outs, -1);
 }
 
-// One block segment (the common case): no lists to convert on the call.
-at::Tensor packed_or_large_1(const at::Tensor& x, int64_t max_rows, const std::string& kind,
-                             const std::string& activations, const at::Tensor& qs,
-                             const OptTensor& d, const OptTensor& m, const std::string& path,
-                             int64_t handle, const OptTensor& weight) {
+// packed_or_large_1's names by code: the tables of quant/packed_or_large.py (KINDS,
+// ACTIVATIONS, LARGE_PATHS), in their order; test_packed_or_large.py compares them.
+const std::vector<std::string>& code_names(const std::string& field) {
+  static const std::vector<std::string> kinds{"q4_1", "q8_0", "q5_0", "q5_1",
+                                              "q4_k", "q5_k", "q6_k"};
+  static const std::vector<std::string> activations{"float32", "int8"};
+  static const std::vector<std::string> paths{"sgemm", "onednn", "bf16", "int8", "fp16"};
+  if (field == "kind") return kinds;
+  if (field == "activations") return activations;
+  TORCH_CHECK(field == "path", "airserve::packed_or_large_names: unknown field '", field,
+              "' (kind, activations or path)");
+  return paths;
+}
+
+std::vector<std::string> packed_or_large_names(const std::string& field) {
+  return code_names(field);
+}
+
+const std::string& name_of(const std::vector<std::string>& table, int64_t code,
+                           const char* field) {
+  TORCH_CHECK(code >= 0 && code < static_cast<int64_t>(table.size()),
+              "airserve::packed_or_large_1: ", field, " code ", code, " is not one of 0..",
+              table.size() - 1);
+  return table[code];
+}
+
+// One block segment (the common case): no lists or strings to convert on the call.
+at::Tensor packed_or_large_1(const at::Tensor& x, int64_t max_rows, int64_t kind,
+                             int64_t activations, const at::Tensor& qs, const OptTensor& d,
+                             const OptTensor& m, int64_t path, int64_t handle,
+                             const OptTensor& weight) {
+  static const std::vector<std::string>& kinds = code_names("kind");
+  static const std::vector<std::string>& acts = code_names("activations");
+  static const std::vector<std::string>& paths = code_names("path");
   const int64_t rows = x.size(0);
-  if (rows <= 0 || rows > max_rows) return large(x, path, handle, weight);
-  return packed(x, kind, activations, qs, d, m);
+  if (rows <= 0 || rows > max_rows) return large(x, name_of(paths, path, "path"), handle, weight);
+  return packed(x, name_of(kinds, kind, "kind"), name_of(acts, activations, "activations"), qs,
+                d, m);
 }
 
 }  // namespace
@@ -233,6 +263,10 @@ TORCH_LIBRARY_FRAGMENT(airserve_bf16, lib) {
   lib.def("register_weight(int handle, Tensor packed, bool onednn, Tensor? channels, "
           "Tensor? residual) -> ()", &bf16_weight_register);
   lib.def("release_weight(int handle) -> ()", &bf16_weight_release);
+}
+
+TORCH_LIBRARY_FRAGMENT(airserve_codes, lib) {
+  lib.def("packed_or_large_names(str field) -> str[]", &packed_or_large_names);
 }
 
 TORCH_LIBRARY_FRAGMENT(airserve_fp16, lib) {

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from airserve.srt.layers.quant.block_matvec import KINDS
 from airserve.srt.layers.quant.matmul_paths import INT8_PATHS
 
 if TYPE_CHECKING:
@@ -26,9 +27,17 @@ _lib.define("packed_or_large(Tensor x, int max_rows, str kinds, str activations,
             "Tensor?[] d, Tensor?[] m, str path, int handle, Tensor? weight) -> Tensor")
 
 
-# The same for a layer of one block segment (fewer conversions per call: ~200 calls a step).
-_lib.define("packed_or_large_1(Tensor x, int max_rows, str kind, str activations, Tensor qs, "
-            "Tensor? d, Tensor? m, str path, int handle, Tensor? weight) -> Tensor")
+# The same for a layer of one block segment, the common case (~120 calls a decode step of the
+# default model), with its names passed as codes: indices into KINDS, ACTIVATIONS and
+# LARGE_PATHS (the C++ operator holds the same tables; `airserve_codes::packed_or_large_names`
+# lists them). A schema of tensors and ints only is one inductor's C++ wrapper calls through
+# its light dispatcher bridge (aoti_torch_call_dispatcher); with str arguments it builds an
+# IValue stack and three std::strings per call instead, and that code made the wrapper of the
+# default model's decode graph take ~25 of its ~80 s compile on a 2-core AMD EPYC (g++ -O1).
+_lib.define("packed_or_large_1(Tensor x, int max_rows, int kind, int activations, Tensor qs, "
+            "Tensor? d, Tensor? m, int path, int handle, Tensor? weight) -> Tensor")
+ACTIVATIONS = ("float32", "int8")
+LARGE_PATHS = ("sgemm", "onednn", "bf16", "int8", "fp16")
 
 
 @torch.library.register_fake("airserve::packed_or_large_1")
@@ -70,9 +79,11 @@ def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tenso
     max_rows = layer.packed_max_rows if decode or layer.packed_for_extends else 0
     if len(layer.packed_kinds) == 1:
         kind = layer.packed_kinds[0]
+        path, handle, weight = large
         out = torch.ops.airserve.packed_or_large_1(
-            x.contiguous(), max_rows, kind, layer.activations_for(kind, decode),
-            *layer._segment(0), *large)
+            x.contiguous(), max_rows, KINDS.index(kind),
+            ACTIVATIONS.index(layer.activations_for(kind, decode)), *layer._segment(0),
+            LARGE_PATHS.index(path), handle, weight)
         return out if layer.bias is None else out + layer.bias
     segments = [layer._segment(i) for i in range(len(layer.packed_kinds))]
     out = torch.ops.airserve.packed_or_large(
