@@ -130,7 +130,8 @@ def store_dir(model_dir: str, cache: str, **flags) -> str:
     return CPUGraphRunner.open_store(RunnerConfig.from_server_args(args), 0, 8).dir
 
 
-def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_qwen2_dir):
+def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_qwen2_dir,
+                                                 monkeypatch):
     cache, _, warm = starts
     assert store_dir(tiny_llama_dir, cache) == warm["store_dir"]  # same flags: same store
     assert store_dir(tiny_llama_dir, cache, page_size=16) != warm["store_dir"]
@@ -138,6 +139,13 @@ def test_changed_flag_or_model_uses_another_store(starts, tiny_llama_dir, tiny_q
     assert store_dir(tiny_llama_dir, cache, cuda_graph_bs=(1, *BUCKETS)) != warm["store_dir"]
     assert store_dir(tiny_llama_dir, cache, context_length=256) != warm["store_dir"]
     assert store_dir(tiny_qwen2_dir, cache) != warm["store_dir"]
+    # Other C++ operator sources (another build of the kernels) are another store.
+    from airserve.srt.layers import cpu_kernels
+
+    real = cpu_kernels.build_name()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "build_name", lambda: real + "-edited")
+        assert store_dir(tiny_llama_dir, cache) != warm["store_dir"]
     # The same path with a rewritten weight file (new mtime) is another model.
     weights = [f for f in os.listdir(tiny_llama_dir) if f.endswith(".safetensors")]
     path = os.path.join(tiny_llama_dir, weights[0])

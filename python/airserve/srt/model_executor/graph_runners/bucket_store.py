@@ -46,9 +46,15 @@ def model_identity(model_path: str | None) -> list:
 
 
 def cache_key_parts(model_path: str | None, graph_flags: str, extra: dict) -> dict:
-    """Everything the compiled graphs depend on besides the tensors' shapes (checked per input)."""
+    """Everything the compiled graphs depend on besides the tensors' shapes (checked per input).
+    `kernels`: the C++ operators' build name, a hash of their sources: a graph calls them with
+    the argument lists of its build (packed_or_large_1 once took strings where it takes codes),
+    so other sources are another store even at the same airserve version."""
+    from airserve.srt.layers import cpu_kernels
+
     return {
         "format": FORMAT, "airserve": airserve.__version__, "torch": torch.__version__,
+        "kernels": cpu_kernels.build_name(),
         "cpu": sorted(host_cpu()[1]), "model": model_identity(model_path),
         "flags": graph_flags, **extra,
     }
