@@ -91,19 +91,22 @@ def main() -> None:
             xb = torch.ops.airserve.cast_to_bf16(x)
             yb = torch.ops.mkldnn._linear_pointwise(xb, w.packed, None, "none", [], "") \
                 if w.onednn else torch.nn.functional.linear(xb, w.packed)
-            product = (lambda: torch.ops.mkldnn._linear_pointwise(xb, w.packed, None, "none",
-                                                                  [], "")) if w.onednn else \
-                (lambda: torch.nn.functional.linear(xb, w.packed))
+            # Each timed call binds this iteration's tensors (default arguments).
+            product = (lambda xb=xb, w=w: torch.ops.mkldnn._linear_pointwise(
+                xb, w.packed, None, "none", [], "")) if w.onednn else \
+                (lambda xb=xb, w=w: torch.nn.functional.linear(xb, w.packed))
             row = {
                 "rows": m, "layer": key, "count": count, "N": w.out_features,
                 "K": w.in_features, "residual_channels": 0 if w.channels is None
                 else int(w.channels.numel()),
-                "op_us": timed(lambda: packed_or_large(layer, x, True), a.calls, a.repeats),
-                "cpp_us": timed(lambda: torch.ops.airserve.bf16_linear_cpp(x, w.handle, False),
-                                a.calls, a.repeats),
+                "op_us": timed(lambda layer=layer, x=x: packed_or_large(layer, x, True), a.calls,
+                               a.repeats),
+                "cpp_us": timed(lambda x=x, w=w: torch.ops.airserve.bf16_linear_cpp(
+                    x, w.handle, False), a.calls, a.repeats),
                 "bf16_us": timed(product, a.calls, a.repeats),
-                "cast_us": timed(lambda: torch.ops.airserve.cast_to_bf16(x), a.calls, a.repeats),
-                "widen_us": timed(lambda: torch.ops.airserve.widen_to_f32(yb), a.calls,
+                "cast_us": timed(lambda x=x: torch.ops.airserve.cast_to_bf16(x), a.calls,
+                                 a.repeats),
+                "widen_us": timed(lambda yb=yb: torch.ops.airserve.widen_to_f32(yb), a.calls,
                                   a.repeats),
             }
             rows_out.append(row)

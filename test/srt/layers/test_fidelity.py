@@ -153,8 +153,9 @@ def test_path_check_fails_a_broken_path(tiny_path_runner):
 def test_kv_cache_check_on_a_short_text() -> None:
     """--kv-cache-dtypes on the default model, 8 x 32 tokens: every position a decode step over
     a float16 cache, against float32 KV; alone (float32 matmuls) and beside the inexact matmul
-    paths `auto` may take on this CPU (bf16, float16 weights). The verdict on the full ~2,000 tokens is recorded in
-    benchmark/kernels/results/fidelity_kv_cache_*.json and ServerArgs.resolved_kv_cache_dtype."""
+    paths `auto` may take on this CPU (bf16, float16 weights). The verdict on the full ~2,000
+    tokens is recorded in benchmark/kernels/results/fidelity_kv_*.json and
+    ServerArgs.resolved_kv_cache_dtype."""
     from airserve.srt.hardware import host_cpu
     from airserve.srt.layers.quant.path_choice import cpu_has_bf16, fbgemm_cpu, int8_available
 
