@@ -354,7 +354,12 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     """The KV cache dtypes' check (module docstring) on the default model over `n_tokens` of
     the packaged text, decoded teacher-forced `batch` sequences side by side."""
     from airserve.srt.hardware import host_cpu
-    from airserve.srt.layers.quant.path_choice import cpu_has_bf16, fbgemm_cpu, int8_available
+    from airserve.srt.layers.quant.path_choice import (
+        FLOAT16_KV_PATHS,
+        cpu_has_bf16,
+        fbgemm_cpu,
+        int8_available,
+    )
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.model_loader.loader import large_path_outliers, load_model, set_large_path
     from airserve.srt.server_args import ServerArgs
@@ -365,10 +370,11 @@ def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     # bfloat16 configurations round decode rows as a large batch does.
     cfg, model = load_model(None, "float32", "cpu", None, 0)
     flags = host_cpu()[1]
-    # The float32 reference first, then the inexact paths `auto` may take on this CPU (each
-    # frees the float32 weights, which nothing brings back).
-    paths = (["float32"] + (["bfloat16"] if cpu_has_bf16(flags) else [])
-             + (["float16_weights"] if fbgemm_cpu(flags) and int8_available() else []))
+    # The float32 reference first, then the paths `auto` pairs with a float16 pool that run on
+    # this CPU (each frees the float32 weights, which nothing brings back).
+    runs_here = {"bfloat16": cpu_has_bf16(flags),
+                 "float16_weights": fbgemm_cpu(flags) and int8_available()}
+    paths = ["float32"] + [p for p in FLOAT16_KV_PATHS if runs_here[p]]
     outliers = large_path_outliers(model, tokenizer, "bfloat16") if "bfloat16" in paths else None
 
     current = ["float32"]

@@ -13,7 +13,11 @@ from airserve.srt.layers.attention.registry import (
     DEFAULT_ATTENTION_BACKEND,
     check_page_size,
 )
-from airserve.srt.layers.quant.path_choice import QUANTIZATIONS, check_float32_impl
+from airserve.srt.layers.quant.path_choice import (
+    FLOAT16_KV_PATHS,
+    QUANTIZATIONS,
+    check_float32_impl,
+)
 from airserve.srt.model_executor.graph_runners.registry import (
     COMPILE_BACKENDS,
     DEFAULT_COMPILE_BACKEND,
@@ -370,7 +374,7 @@ class ServerArgs:
         if self.kv_cache_dtype != "auto":
             return getattr(torch, self.kv_cache_dtype)
         if (self.device == "cpu" and not self.uses_openvino
-                and self.resolved_large_path in ("bfloat16", "float16_weights")):
+                and self.resolved_large_path in FLOAT16_KV_PATHS):
             return torch.float16
         return model_dtype
 

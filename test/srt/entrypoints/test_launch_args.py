@@ -66,13 +66,17 @@ def test_kv_cache_dtype(capsys):
     import torch
 
     from airserve.srt.hardware import host_cpu
-    from airserve.srt.layers.quant.path_choice import cpu_has_bf16, int8_available
+    from airserve.srt.layers.quant.path_choice import (
+        FLOAT16_KV_PATHS,
+        cpu_has_bf16,
+        int8_available,
+    )
 
     # auto: float16 where the matmuls of prefill and large batches are inexact (bf16 or float16
     # weights), else the model's.
     auto = parse_args([])
-    inexact = auto.resolved_large_path in ("bfloat16", "float16_weights")
-    expected = torch.float16 if inexact else torch.float32
+    assert set(FLOAT16_KV_PATHS) == {"bfloat16", "float16_weights"}
+    expected = torch.float16 if auto.resolved_large_path in FLOAT16_KV_PATHS else torch.float32
     assert auto.resolved_kv_cache_dtype(torch.float32) == expected
     assert parse_args(["--dtype", "float32"]).resolved_kv_cache_dtype(torch.float32) == \
         torch.float32

@@ -14,6 +14,10 @@ INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w
 FBGEMM_PATHS = ("float16_weights",) + INT8_PATHS
 FLOAT32_IMPLS = ("onednn", "sgemm")
 QUANTIZATIONS = FBGEMM_PATHS  # --quantization values; None: the path follows --dtype
+# The inexact paths beside which `auto` keeps the KV pool in float16 on cpu
+# (ServerArgs.resolved_kv_cache_dtype; benchmark/kernels/fidelity.py --kv-cache-dtypes checks
+# the pair).
+FLOAT16_KV_PATHS = ("bfloat16", "float16_weights")
 # Input channels per layer that w8a8_int8_outliers keeps in float32 (--int8-outlier-channels).
 DEFAULT_OUTLIER_CHANNELS = 16
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
