@@ -283,15 +283,16 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
 
 
 def test_auto_activations_follow_the_layer_role() -> None:
-    """Q4_1 takes int8 under auto in the roles AUTO_INT8_ROLES names (the merged gate/up
-    projection) and float32 elsewhere; the report names the kind by role."""
+    """Q4_1 and Q8_0 take int8 under auto in the roles AUTO_INT8_ROLES names (the merged
+    gate/up projection) and float32 elsewhere; the report names the kind by role."""
     from airserve.srt.layers.linear import packed_report
 
-    assert block_matvec.AUTO_INT8_ROLES == {"q4_1": {"gate_up_proj"}}
-    assert block_matvec.resolve_activations("auto", "q4_1", "gate_up_proj") == "int8"
-    for role in ("", "qkv_proj", "o_proj", "down_proj", "lm_head"):
-        assert block_matvec.resolve_activations("auto", "q4_1", role) == "float32"
-    assert block_matvec.resolve_activations("auto", "q8_0", "gate_up_proj") == "float32"
+    assert block_matvec.AUTO_INT8_ROLES == {"q4_1": {"gate_up_proj"}, "q8_0": {"gate_up_proj"}}
+    for kind in ("q4_1", "q8_0"):
+        assert block_matvec.resolve_activations("auto", kind, "gate_up_proj") == "int8"
+        for role in ("", "qkv_proj", "o_proj", "down_proj", "lm_head"):
+            assert block_matvec.resolve_activations("auto", kind, role) == "float32"
+    assert block_matvec.resolve_activations("auto", "q6_k", "gate_up_proj") == "float32"
     assert block_matvec.resolve_activations("float32", "q4_1", "gate_up_proj") == "float32"
     w = any_packed("q4_1", 24, 256, seed=4)
     x = torch.randn(2, 256)

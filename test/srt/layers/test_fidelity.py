@@ -83,6 +83,21 @@ def test_auto_passes_on_a_q4_k_m_mix() -> None:
     assert row["passed"], row
 
 
+def test_auto_passes_on_a_q6_k_mix() -> None:
+    """auto takes int8 for Q8_0 in the merged gate/up projections (block_matvec.AUTO_INT8_ROLES),
+    float32 for the lm_head and the other Q8_0 layers and for Q6_K: on the script's ~2,000 tokens
+    a Q6_K mix (Q8_0 in this model's 576-wide layers, as llama.cpp stores them) passes against
+    float32 on the same weights, and int8 is in use."""
+    from airserve.srt.layers.quant.block_matvec import resolve_activations
+
+    assert resolve_activations("auto", "q8_0", "gate_up_proj") == "int8"
+    assert resolve_activations("auto", "q8_0", "qkv_proj") == "float32"
+    assert resolve_activations("auto", "q6_k", "down_proj") == "float32"
+    (row,) = fidelity.check(["Q6_K"], n_tokens=2000, batch=8, activations=("auto",))["rows"]
+    assert row["ppl_int8"] != row["ppl_float32"], row
+    assert row["passed"], row
+
+
 def test_k_quant_weights_hold_no_float32_copy(report: dict) -> None:
     q4_1, q4_k_m = (r["weight_mib"] for r in report["rows"])
     # Q4_1 keeps float32 weights beside its blocks (~513 + ~90 MiB); Q4_K_M's linear layers

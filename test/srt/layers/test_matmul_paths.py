@@ -177,6 +177,56 @@ def test_float16_weights_round_the_weight_only():
         big.set_large_path("float16_weights")
 
 
+@NEEDS_INT8
+def test_float16_weights_packed_on_threads_equal_one_by_one():
+    """The loader packs float16_weights layers on several threads (fbgemm packs on one core):
+    a model packed on two threads multiplies to the same bits as one packed a layer at a time,
+    a layer built from GGUF blocks alone (no float weight) is packed too, and a weight beyond
+    float16's range still fails with the flag to use instead, from the worker thread."""
+    from airserve.srt.model_loader.loader import set_large_path
+
+    blocks = random_packed("q4_1", 48, 96) if block_matvec.kernels_available() else None
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(3)
+        m = torch.nn.Sequential(*[Linear(96, 40 + 8 * i, bias=False) for i in range(5)])
+        with torch.no_grad():
+            for layer in m:
+                layer.weight.normal_(0, 0.05)
+        if blocks is not None:
+            m.append(Linear(96, 48, bias=False))
+            m[-1].attach_packed(blocks, 4, drop_weight=True)
+        return m
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        on_two = model()
+        set_large_path(on_two, "float16_weights")
+        torch.set_num_threads(1)
+        one_by_one = model()
+        set_large_path(one_by_one, "float16_weights")
+    finally:
+        torch.set_num_threads(threads)
+    x = torch.randn(33, 96)
+    assert len(on_two) == (6 if blocks is not None else 5)
+    for a, b in zip(on_two, one_by_one):
+        assert a.large_path == "float16_weights" and a.weight is None
+        assert a.weight_fp16.handle != b.weight_fp16.handle
+        assert torch.equal(a(x), b(x))
+    if blocks is not None:  # the blocks' layer: its float16 weight is the blocks dequantized
+        ref = x.double() @ blocks.dequantize().half().double().T
+        assert relative_error(on_two[-1](x), ref) < TOLERANCE["float32"]
+    packs = matmul_paths.prepack_fp16_many([lambda: torch.ones(4, 8), lambda: torch.ones(2, 8)],
+                                           threads=2)
+    assert [(n, k) for _, n, k in packs] == [(4, 8), (2, 8)]
+    big = torch.nn.Sequential(Linear(8, 4, bias=False), Linear(8, 4, bias=False))
+    with torch.no_grad():
+        big[1].weight.fill_(1e5)
+    with pytest.raises(ValueError, match="--dtype float32"):
+        set_large_path(big, "float16_weights")
+
+
 def test_bf16_residual_channels_against_float64():
     """bf16 with the rounding error of the input's outlier channels added back in float32:
     the bf16 product (its output rounded to bf16, as torch's CPU bf16 matmul returns it) plus

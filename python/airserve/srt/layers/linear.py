@@ -125,7 +125,8 @@ class Linear(nn.Linear):
 
     def set_large_path(self, path: str, keep_float: bool = False,
                        float32_impl: str = "sgemm",
-                       outliers: torch.Tensor | None = None) -> None:
+                       outliers: torch.Tensor | None = None,
+                       fp16_prepacked: tuple | None = None) -> None:
         """Make inputs above the packed limit multiply through `path` (matmul_paths.PATHS),
         building its weight form from the float32 weight (or the blocks). The float32 weight is
         freed unless the path is float32 or `keep_float` (a weight shared with an embedding).
@@ -137,17 +138,21 @@ class Linear(nn.Linear):
         stays on sgemm. w8a8_int8_outliers keeps the input channels `outliers` (from a
         calibration pass: quant.int8_calibration) in float32 beside the int8 product; bfloat16
         given `outliers` adds those channels' bf16 rounding error back in float32
-        (matmul_paths.Bf16Weight)."""
+        (matmul_paths.Bf16Weight). `fp16_prepacked`: `matmul_paths.prepack_fp16` of this
+        layer's float weight, done beforehand (the loader packs layers on several threads)."""
         if path not in PATHS:
             raise ValueError(f"matmul path {path!r}: choose one of {', '.join(PATHS)}")
         if float32_impl not in FLOAT32_IMPLS:
             raise ValueError(f"float32_impl {float32_impl!r}: choose one of "
                              f"{', '.join(FLOAT32_IMPLS)}")
-        if path != "float32" and _has_no_weight(self.float_source, self.packed_kind):
+        if path != "float32" and not self.has_weight_source:
             raise ValueError("a path other than float32 needs the weight or its GGUF blocks")
         self.weight_bf16 = (pack_bf16(self.float_weight(), outliers)
                             if path == "bfloat16" else None)
-        self.weight_fp16 = pack_fp16(self.float_weight()) if path == "float16_weights" else None
+        self.weight_fp16 = None
+        if path == "float16_weights":
+            self.weight_fp16 = (pack_fp16(prepacked=fp16_prepacked) if fp16_prepacked is not None
+                                else pack_fp16(self.float_weight()))
         outlier_path = path == "w8a8_int8_outliers"
         if outlier_path and outliers is None:
             raise ValueError("w8a8_int8_outliers needs the layer's outlier input channels")
@@ -178,6 +183,12 @@ class Linear(nn.Linear):
         if self.weight_onednn is not None:
             return "onednn"
         return "sgemm" if self.weight is not None else "dequantized"
+
+    @property
+    def has_weight_source(self) -> bool:
+        """Whether the layer holds a float weight or blocks to build another path's weight
+        from."""
+        return not _has_no_weight(self.float_source, self.packed_kind)
 
     def float_weight(self) -> torch.Tensor:
         """The float32 [N, K] weight: the parameter, or the blocks dequantized."""

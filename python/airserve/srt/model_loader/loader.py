@@ -202,14 +202,22 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     (w8a8_int8_outliers). Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding
     from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant.matmul_paths import prepack_fp16_many
 
     embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    for name, layer in layers:
+    prepacked: list = [None] * len(layers)
+    if path == "float16_weights":  # fbgemm packs on one core: a layer per thread
+        todo = [i for i, (_, m) in enumerate(layers) if m.has_weight_source]
+        packs = prepack_fp16_many([layers[i][1].float_weight for i in todo],
+                                  torch.get_num_threads())
+        for i, pack in zip(todo, packs):
+            prepacked[i] = pack
+    for (name, layer), fp16 in zip(layers, prepacked):
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
         layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
-                             outliers=(outliers or {}).get(name))
+                             outliers=(outliers or {}).get(name), fp16_prepacked=fp16)
     residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",

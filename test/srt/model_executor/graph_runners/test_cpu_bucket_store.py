@@ -188,9 +188,10 @@ def test_other_weight_handles_make_the_bucket_stale(tmp_path):
     with open(art_path, "wb") as f:
         f.write(b"not an artifact")
 
-    def manifest(handles: dict) -> None:
+    def manifest(handles: dict, forms: dict | None = None) -> None:
         with open(store.manifest_path(1), "w") as f:
             json.dump({"artifact": "graph-x.bin", "inputs": [], "handles": handles,
+                       "forms": index.forms if forms is None else forms,
                        "sha256": file_sha256(art_path)}, f)
 
     manifest({"model..weight_onednn": layer.weight_onednn.handle + 1})
@@ -199,3 +200,44 @@ def test_other_weight_handles_make_the_bucket_stale(tmp_path):
     manifest(index.handles)  # same handles: past that check, to the artifact itself
     with pytest.raises(StaleBucket, match="artifact does not load"):
         store.load(1, index)
+
+
+def test_other_decode_activations_make_the_bucket_stale(tmp_path):
+    """A graph bakes in each layer's matmul path and its packed products' activations: a
+    build whose `auto` resolves them otherwise (same flags, same version) must recompile, not
+    replay the stored graph with the old activations."""
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.layers.quant import block_matvec, matmul_paths
+    from airserve.srt.model_executor.graph_runners.bucket_store import BucketStore
+    from airserve_testing.tiny_gguf import random_packed
+
+    if not block_matvec.kernels_available():
+        pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
+    layer = Linear(64, 48, bias=False)
+    layer.attach_packed(random_packed("q4_1", 48, 64), 4, "auto", drop_weight=True)
+    layer.packed_role = "o_proj"
+    before = TensorIndex({"model": layer})
+    assert before.forms == {"model.": ["float32", 4, [["q4_1", "float32"]]]}
+    store = BucketStore(str(tmp_path), {"test": 1})
+    art_path = os.path.join(store.dir, "graph-x.bin")
+    with open(art_path, "wb") as f:
+        f.write(b"not an artifact")
+    with open(store.manifest_path(1), "w") as f:
+        json.dump({"artifact": "graph-x.bin", "inputs": [], "handles": before.handles,
+                   "forms": before.forms, "sha256": file_sha256(art_path)}, f)
+    with pytest.raises(StaleBucket, match="artifact does not load"):  # same forms: to the load
+        store.load(1, before)
+    layer.packed_role = "gate_up_proj"  # auto takes int8 for q4_1 there
+    after = TensorIndex({"model": layer})
+    assert after.forms == {"model.": ["float32", 4, [["q4_1", "int8"]]]}
+    with pytest.raises(StaleBucket, match="decode activations differ"):
+        store.load(1, after)
+    layer.packed_role = "o_proj"
+    if matmul_paths.int8_available():  # fbgemm: the float16_weights path
+        layer.set_large_path("float16_weights")
+        fp16 = TensorIndex({"model": layer})
+        with open(store.manifest_path(1), "w") as f:  # its handles, the float32 path's forms
+            json.dump({"artifact": "graph-x.bin", "inputs": [], "handles": fp16.handles,
+                       "forms": before.forms, "sha256": file_sha256(art_path)}, f)
+        with pytest.raises(StaleBucket, match="matmul paths"):
+            store.load(1, fp16)

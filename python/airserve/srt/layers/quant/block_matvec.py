@@ -70,7 +70,16 @@ AUTO_INT8_KINDS = frozenset({"q5_0"})
 # Q4_0 files are carried as q4_1 and follow the rule: the default model requantized to Q4_0
 # (`fidelity.py --schemes Q4_0`), same CPU: gate_up 98.64% / +0.07%, every layer 97.14%
 # (benchmark/kernels/results/fidelity_q4_0_roles_amd_epyc_zen3_avx2.json).
-AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"})}
+# Q8_0 follows the same rule (files of Q8_0 blocks, and the 576-wide layers of a Q6_K file,
+# which llama.cpp stores as Q8_0): int8 in gate/up only, the default model requantized
+# (`fidelity.py --schemes Q6_K Q8_0 --activations auto --int8-roles gate_up_proj
+# gate_up_proj+o_proj`, same CPU): Q8_0 gate_up 99.00% / +0.13%, gate_up + o 99.00% / +0.15%;
+# Q6_K mix with int8 in its Q8_0 gate/up 98.74% / +0.15%, gate_up + o 98.85% / -0.06%
+# (benchmark/kernels/results/fidelity_q8_0_gate_up_int8_amd_epyc_zen3_avx2.json); the int8
+# product is 1.2x faster than float32 there (bench_kernels.py, Q8_0 [1536, 576] bs 1: 65 vs 80
+# us, 2 threads).
+AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}),
+                                              "q8_0": frozenset({"gate_up_proj"})}
 
 
 def resolve_activations(activations: str, kind: str, role: str = "") -> str:

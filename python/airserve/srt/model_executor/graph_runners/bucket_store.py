@@ -27,7 +27,7 @@ import airserve
 from airserve.srt.hardware import host_cpu
 from airserve.srt.layers.linear import OPAQUE_WEIGHTS
 
-FORMAT = 4  # bump when the manifest's layout changes
+FORMAT = 5  # bump when the manifest's layout changes
 
 
 class StaleBucket(Exception):
@@ -94,6 +94,25 @@ def weight_handles(roots: dict[str, object]) -> dict[str, int]:
     return handles
 
 
+def layer_forms(roots: dict[str, object]) -> dict[str, list]:
+    """How each linear layer multiplies, by module name: its large path, its packed row limit
+    and each packed kind's decode activations. A traced graph bakes these in as code (the
+    operators' integer codes), and they can change while every flag stays the same: `auto`
+    resolves the activations by rules (block_matvec.AUTO_INT8_ROLES) that another airserve
+    build may draw otherwise."""
+    from airserve.srt.layers.linear import Linear
+
+    forms = {}
+    for prefix, obj in roots.items():
+        if isinstance(obj, torch.nn.Module):
+            for name, m in obj.named_modules():
+                if isinstance(m, Linear):
+                    forms[f"{prefix}.{name}"] = [
+                        m.large_path, m.packed_max_rows,
+                        [[k, m.activations_for(k, True)] for k in m.packed_kinds]]
+    return forms
+
+
 class TensorIndex:
     """Graph inputs by name: each tensor's storage maps to the first name holding it."""
 
@@ -104,6 +123,7 @@ class TensorIndex:
             self.by_name.setdefault(name, t)
             self.by_storage.setdefault(t.untyped_storage().data_ptr(), name)
         self.handles = weight_handles(roots)
+        self.forms = layer_forms(roots)
 
     def describe(self, arg: object) -> dict:
         """A manifest entry for one graph input; KeyError if it is not a known tensor's view."""
@@ -168,7 +188,7 @@ class BucketStore:
         specs = [index.describe(a) for a in args]
         art_path = os.path.join(self.dir, artifact_name)
         manifest = {"artifact": artifact_name, "inputs": specs, "handles": index.handles,
-                    "sha256": file_sha256(art_path)}
+                    "forms": index.forms, "sha256": file_sha256(art_path)}
         man_path = self.manifest_path(bs)
         tmp = f"{man_path}.{os.getpid()}.tmp"  # starts sharing the directory never collide
         with open(tmp, "w") as f:
@@ -194,6 +214,9 @@ class BucketStore:
         # may give a layer another number, and the stored graph would read the wrong weight.
         if manifest.get("handles") != index.handles:
             raise StaleBucket("the layers' weight handles differ from the stored graph's")
+        if manifest.get("forms") != index.forms:
+            raise StaleBucket("the layers' matmul paths or decode activations differ from the "
+                              "stored graph's")
         args = tuple(index.rebuild(s) for s in specs)
         if name not in loaded:
             from torch._inductor import CompiledArtifact
