@@ -79,6 +79,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        if torch.empty(0).is_meta:
+            # Built under torch.device("meta") (the loader), which rebuilds the tables on the real
+            # device: shapes only. Computing them on meta runs torch's Python decompositions,
+            # whose first use imports dynamo (~2 s of an eager server's start-up).
+            shape = (max_positions, cfg.head_dim)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, rope_inv_freq(cfg))
         # [max_positions, head_dim] each, not saved with the weights: cos twice, and sin with
