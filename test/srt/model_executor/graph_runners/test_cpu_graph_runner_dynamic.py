@@ -75,3 +75,46 @@ def test_tensor_parallel_graphs_keep_the_python_wrapper():
     assert inductor_options(1)["cpp_wrapper"] is True
     assert inductor_options(2)["cpp_wrapper"] is False
     assert inductor_options(2)["size_asserts"] is False  # the other options unchanged
+
+
+def test_wrapper_builds_at_o0_and_kernels_at_o3(monkeypatch, tmp_path):
+    """Under the runner's inductor options g++ builds the C++ wrapper at -O0 (it only calls
+    kernels and operators; -O1 took 4x the build time), the kernels at -O3: the compiler
+    commands of a real compile, recorded as inductor runs them in this process. The variable
+    AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL, where set, decides instead."""
+    import time
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.cpp_builder as cpp_builder
+
+    from airserve.srt.model_executor.graph_runners.cpu import inductor_options
+
+    monkeypatch.delenv("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", raising=False)
+    options = inductor_options(1)
+    assert options["aot_inductor.compile_wrapper_opt_level"] == "O0"
+    monkeypatch.setenv("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O2")
+    assert "aot_inductor.compile_wrapper_opt_level" not in inductor_options(1)
+    commands: list[str] = []
+    run = cpp_builder._run_compile_cmd
+
+    def recording(cmd_line, *args, **kwargs):
+        commands.append(cmd_line)
+        return run(cmd_line, *args, **kwargs)
+
+    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", recording)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: it builds
+    torch._dynamo.reset()
+    # A constant of its own: no kernel this process built before has the same source.
+    c = 2.0 + (time.time_ns() % 100_003) / 100_003
+    with inductor_config.patch({**options, "force_disable_caches": True}):
+        step = torch.compile(lambda x: (x * c).sin() + 1.0, backend="inductor", fullgraph=True)
+        x = torch.randn(16)
+        torch.testing.assert_close(step(x), (x * c).sin() + 1.0)
+    torch._dynamo.reset()
+    wrapper = [c for c in commands if ".main.cpp" in c]
+    assert wrapper, commands
+    assert all(" -O0 " in f"{c} " and " -O1 " not in f"{c} " for c in wrapper), wrapper
+    # The kernels (built here, or in inductor's compile workers where a pool runs) keep -O3.
+    kernels = [c for c in commands if ".cpp " in f"{c} " and ".main.cpp" not in c
+               and "header" not in c]
+    assert all(" -O3 " in f"{c} " for c in kernels), kernels

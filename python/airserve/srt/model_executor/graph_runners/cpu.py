@@ -109,6 +109,14 @@ def same_inputs(a: tuple, b: tuple) -> bool:
 # them at -O3, the wrapper more than doubled the compile time).
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+# The wrapper's optimization level (inductor's default -O1; AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL,
+# where set, decides). The wrapper only calls kernels and operators through the dispatcher, and
+# at -O0 g++ built the default model's decode wrapper in 3.2 s against 13.1 s at -O1. Cold
+# start-ups side by side on a 2-core AMD EPYC Zen 3 (AVX2; benchmark/runners/startup.py, then
+# the same child alternated): 61.4 / 61.6 s against 83.2 / 92.6 s; three warm starts each,
+# alternated: bs-1 step medians 10.1 / 7.6 / 11.3 ms against 9.9 / 11.9 / 10.9 (the VM's noise;
+# a few hundred calls a step lose their inlining, well under it).
+WRAPPER_OPT_LEVEL = "O0"
 
 
 # Inductor compiles in parallel in a pool of worker processes, each of which imports torch, and
@@ -130,11 +138,13 @@ def compile_threads(cpu_count: int | None, environ=os.environ) -> int | None:
 
 
 def inductor_options(tp_size: int) -> dict:
-    """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group, with `compile_threads` where it
-    applies. With tensor parallelism the wrapper stays Python: the C++ wrapper cannot call
+    """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group, with `compile_threads` and the
+    wrapper's optimization level where they apply. With tensor parallelism the wrapper stays Python: the C++ wrapper cannot call
     torch's functional collectives on CPU (inductor: "arg type Any is not yet supported by
     custom_op_wrapper")."""
     options = dict(INDUCTOR_OPTIONS)
+    if "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL" not in os.environ:
+        options["aot_inductor.compile_wrapper_opt_level"] = WRAPPER_OPT_LEVEL
     if tp_size > 1:
         options.update(cpp_wrapper=False, cpp_wrapper_build_separate=False)
     threads = compile_threads(os.cpu_count())
