@@ -139,9 +139,9 @@ def compile_threads(cpu_count: int | None, environ=os.environ) -> int | None:
 
 def inductor_options(tp_size: int) -> dict:
     """INDUCTOR_OPTIONS for a runner of a `tp_size`-rank group, with `compile_threads` and the
-    wrapper's optimization level where they apply. With tensor parallelism the wrapper stays Python: the C++ wrapper cannot call
-    torch's functional collectives on CPU (inductor: "arg type Any is not yet supported by
-    custom_op_wrapper")."""
+    wrapper's optimization level where they apply. With tensor parallelism the wrapper stays
+    Python: the C++ wrapper cannot call torch's functional collectives on CPU (inductor: "arg
+    type Any is not yet supported by custom_op_wrapper")."""
     options = dict(INDUCTOR_OPTIONS)
     if "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL" not in os.environ:
         options["aot_inductor.compile_wrapper_opt_level"] = WRAPPER_OPT_LEVEL
