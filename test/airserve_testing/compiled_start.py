@@ -61,8 +61,25 @@ class CompileWorkers:
         return self.most
 
 
+def count_compiler_runs() -> list[str]:
+    """Record every compiler command inductor runs in this process from now on (the list fills
+    as they run)."""
+    import torch._inductor.cpp_builder as cpp_builder
+
+    commands: list[str] = []
+    run = cpp_builder._run_compile_cmd
+
+    def recording(cmd_line, *args, **kwargs):
+        commands.append(cmd_line)
+        return run(cmd_line, *args, **kwargs)
+
+    cpp_builder._run_compile_cmd = recording
+    return commands
+
+
 def main() -> None:
     workers = CompileWorkers()
+    compiler_runs = count_compiler_runs()
     model_dir, cache_dir = sys.argv[1], sys.argv[2]
     buckets = tuple(int(b) for b in sys.argv[3].split(","))
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
@@ -77,6 +94,7 @@ def main() -> None:
            "graph": greedy(graph, prompt, steps), "eager": greedy(eager, prompt, steps)}
     out["replays"] = graph.graph_runner.replay_count - replays
     out["compile_workers"] = workers.stop()
+    out["compiler_runs"] = [c.split(" -")[0] for c in compiler_runs]
     print(json.dumps(out, default=str))
 
 

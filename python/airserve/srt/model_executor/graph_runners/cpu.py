@@ -253,13 +253,20 @@ class CPUGraphRunner(GraphRunner):
 
     def load_bucket(self, bs: int) -> bool:
         """Replay bucket `bs` from its stored graph; False (logged, counted) if it is stale."""
+        import torch._inductor.config as inductor_config
+
         start = time.perf_counter()
         try:
-            artifact, args = self.store.load(bs, self.tensor_index(), self.artifacts)
+            # Under the options it was compiled with: inductor keys the wrapper's shared library
+            # by them (the wrapper's optimization level among them), and a load under other
+            # options built the wrapper again (~20 s of a warm start) instead of finding it.
+            with inductor_config.patch(self.inductor_options):
+                artifact, args = self.store.load(bs, self.tensor_index(), self.artifacts)
             # One step on the static batch, as a compile runs one. AOTAutograd's first-call
             # check of custom ops' aliasing ran on this graph's first call after it was compiled
             # (same ops, same graph); here it would trace every op through a dispatch mode.
-            with torch._functorch.config.patch(check_custom_op_aliasing=False):
+            with torch._functorch.config.patch(check_custom_op_aliasing=False), \
+                    inductor_config.patch(self.inductor_options):
                 outs = artifact(*args)
             if not isinstance(outs, (list, tuple)) or len(outs) != 1 or \
                     tuple(outs[0].shape[:1]) != (bs,):
