@@ -111,11 +111,10 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_a
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 # The wrapper's optimization level (inductor's default -O1; AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL,
 # where set, decides). The wrapper only calls kernels and operators through the dispatcher, and
-# at -O0 g++ built the default model's decode wrapper in 3.2 s against 13.1 s at -O1. Cold
-# start-ups side by side on a 2-core AMD EPYC Zen 3 (AVX2; benchmark/runners/startup.py, then
-# the same child alternated): 61.4 / 61.6 s against 83.2 / 92.6 s; three warm starts each,
-# alternated: bs-1 step medians 10.1 / 7.6 / 11.3 ms against 9.9 / 11.9 / 10.9 (the VM's noise;
-# a few hundred calls a step lose their inlining, well under it).
+# at -O0 g++ built the default model's decode wrapper in 3.2 s against 13.1 s at -O1 (2-core AMD
+# EPYC Zen 3, AVX2), ~10 s off every cold start. Three warm starts of each build, alternated:
+# bs-1 step medians 10.1 / 7.6 / 11.3 ms against 9.9 / 11.9 / 10.9 ms at -O1 (the VM's noise; a
+# few hundred calls a step lose their inlining, well under it).
 WRAPPER_OPT_LEVEL = "O0"
 
 
