@@ -109,13 +109,13 @@ def same_inputs(a: tuple, b: tuple) -> bool:
 # them at -O3, the wrapper more than doubled the compile time).
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
                     "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-# The wrapper's optimization level (inductor's default -O1; AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL,
-# where set, decides). The wrapper only calls kernels and operators through the dispatcher, and
-# at -O0 g++ built the default model's decode wrapper in 3.2 s against 13.1 s at -O1 (2-core AMD
-# EPYC Zen 3, AVX2), ~10 s off every cold start. Three warm starts of each build, alternated:
-# bs-1 step medians 10.1 / 7.6 / 11.3 ms against 9.9 / 11.9 / 10.9 ms at -O1 (the VM's noise; a
-# few hundred calls a step lose their inlining, well under it).
-WRAPPER_OPT_LEVEL = "O0"
+# The wrapper's optimization level (AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL, where set, decides),
+# a trade of compile time against step time. At -O0 g++ built the default model's decode wrapper
+# in 3.2 s against 13.1 s at -O1 (~10 s off every cold start; 2-core AMD EPYC Zen 3, AVX2), but
+# the step lost its inlined calls: bs-1 decode in bench_one_batch, four rounds alternated, 13.54
+# / 13.28 / 12.14 / 13.18 ms at -O0 against 12.74 / 12.16 / 12.16 / 12.83 ms at -O1 (~6% of
+# every token, for 10 s once). So -O1, inductor's own default, named here.
+WRAPPER_OPT_LEVEL = "O1"
 
 
 # Inductor compiles in parallel in a pool of worker processes, each of which imports torch, and
