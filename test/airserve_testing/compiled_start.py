@@ -61,9 +61,10 @@ class CompileWorkers:
         return self.most
 
 
-def count_compiler_runs() -> list[str]:
+def count_compiler_runs(set_attr=setattr) -> list[str]:
     """Record every compiler command inductor runs in this process from now on (the list fills
-    as they run)."""
+    as they run); `set_attr` installs the recorder (a test passes monkeypatch.setattr, which
+    undoes it)."""
     import torch._inductor.cpp_builder as cpp_builder
 
     commands: list[str] = []
@@ -73,7 +74,7 @@ def count_compiler_runs() -> list[str]:
         commands.append(cmd_line)
         return run(cmd_line, *args, **kwargs)
 
-    cpp_builder._run_compile_cmd = recording
+    set_attr(cpp_builder, "_run_compile_cmd", recording)
     return commands
 
 

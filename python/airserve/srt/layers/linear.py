@@ -188,7 +188,7 @@ class Linear(nn.Linear):
     def has_weight_source(self) -> bool:
         """Whether the layer holds a float weight or blocks to build another path's weight
         from."""
-        return not _has_no_weight(self.float_source, self.packed_kind)
+        return self.float_source is not None or bool(self.packed_kind)
 
     def float_weight(self) -> torch.Tensor:
         """The float32 [N, K] weight: the parameter, or the blocks dequantized."""
@@ -321,11 +321,6 @@ def merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
     return [run[0] if len(run) == 1 else
             PackedWeight(run[0].kind, cat([p.qs for p in run]), cat([p.d for p in run]),
                          cat([p.m for p in run])) for run in runs]
-
-
-def _has_no_weight(weight: torch.Tensor | None, packed_kind: str) -> bool:
-    """Whether a layer has neither a weight nor blocks to build another path's weight from."""
-    return weight is None and not packed_kind
 
 
 def packed_report(layers: list[Linear]) -> dict:

@@ -207,17 +207,16 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    prepacked: list = [None] * len(layers)
-    if path == "float16_weights":  # fbgemm packs on one core: a layer per thread
-        todo = [i for i, (_, m) in enumerate(layers) if m.has_weight_source]
-        packs = prepack_fp16_many([layers[i][1].float_weight for i in todo],
-                                  torch.get_num_threads())
-        for i, pack in zip(todo, packs):
-            prepacked[i] = pack
-    for (name, layer), fp16 in zip(layers, prepacked):
+    fp16 = {}  # fbgemm packs on one core: the float16 weights a layer per thread
+    if path == "float16_weights":
+        sources = [(n, m) for n, m in layers if m.has_weight_source]
+        fp16 = dict(zip([n for n, _ in sources],
+                        prepack_fp16_many([m.float_weight for _, m in sources],
+                                          torch.get_num_threads())))
+    for name, layer in layers:
         tied = layer.weight is not None and layer.weight.data_ptr() in shared
         layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
-                             outliers=(outliers or {}).get(name), fp16_prepacked=fp16)
+                             outliers=(outliers or {}).get(name), fp16_prepacked=fp16.get(name))
     residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",

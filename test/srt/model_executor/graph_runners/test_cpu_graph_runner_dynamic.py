@@ -85,23 +85,16 @@ def test_wrapper_and_kernels_build_at_their_levels(monkeypatch, tmp_path):
     import time
 
     import torch._inductor.config as inductor_config
-    import torch._inductor.cpp_builder as cpp_builder
 
     from airserve.srt.model_executor.graph_runners.cpu import WRAPPER_OPT_LEVEL, inductor_options
+    from airserve_testing.compiled_start import count_compiler_runs
 
     monkeypatch.delenv("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", raising=False)
     options = inductor_options(1)
     assert options["aot_inductor.compile_wrapper_opt_level"] == WRAPPER_OPT_LEVEL == "O1"
     monkeypatch.setenv("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O2")
     assert "aot_inductor.compile_wrapper_opt_level" not in inductor_options(1)
-    commands: list[str] = []
-    run = cpp_builder._run_compile_cmd
-
-    def recording(cmd_line, *args, **kwargs):
-        commands.append(cmd_line)
-        return run(cmd_line, *args, **kwargs)
-
-    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", recording)
+    commands = count_compiler_runs(monkeypatch.setattr)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: it builds
     torch._dynamo.reset()
     # A constant of its own: no kernel this process built before has the same source.

@@ -261,12 +261,12 @@ class CPUGraphRunner(GraphRunner):
             # options built the wrapper again (~20 s of a warm start) instead of finding it.
             with inductor_config.patch(self.inductor_options):
                 artifact, args = self.store.load(bs, self.tensor_index(), self.artifacts)
-            # One step on the static batch, as a compile runs one. AOTAutograd's first-call
-            # check of custom ops' aliasing ran on this graph's first call after it was compiled
-            # (same ops, same graph); here it would trace every op through a dispatch mode.
-            with torch._functorch.config.patch(check_custom_op_aliasing=False), \
-                    inductor_config.patch(self.inductor_options):
-                outs = artifact(*args)
+                # One step on the static batch, as a compile runs one. AOTAutograd's first-call
+                # check of custom ops' aliasing ran on this graph's first call after it was
+                # compiled (same ops, same graph); here it would trace every op through a
+                # dispatch mode.
+                with torch._functorch.config.patch(check_custom_op_aliasing=False):
+                    outs = artifact(*args)
             if not isinstance(outs, (list, tuple)) or len(outs) != 1 or \
                     tuple(outs[0].shape[:1]) != (bs,):
                 raise StaleBucket("the stored graph does not return the logits [bs, vocab]")
