@@ -15,7 +15,6 @@ from airserve.srt.layers.attention.registry import (
 )
 from airserve.srt.layers.quant.path_choice import (
     FLOAT16_KV_PATHS,
-    INT8_KV_PATHS,
     QUANTIZATIONS,
     check_float32_impl,
 )
@@ -75,8 +74,7 @@ class ServerArgs:
     # --packed-decode-max-bs (`resolved_large_path`; layers/quant/matmul_paths.py).
     dtype: str = "auto"
     # The KV pool's element type (`resolved_kv_cache_dtype`; auto: float16 on cpu under the
-    # bfloat16 matmul path, int8 under float16_weights); on cpu a 16-bit or int8 cache is
-    # read into float32 arithmetic.
+    # bfloat16 matmul path); on cpu a 16-bit cache is read into float32 arithmetic.
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None or one of QUANTIZATIONS (cpu)
     # w8a8_int8_outliers: input channels per layer kept in float32 (None: the default, 16).
@@ -353,14 +351,11 @@ class ServerArgs:
             return "sgemm"
         return impl
 
-    def resolved_kv_cache_dtype(self, model_dtype: torch.dtype,
-                                cpp_kernels: bool = True) -> torch.dtype:
+    def resolved_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pool's dtype for a model whose weights are `model_dtype`: the flag; under auto
         float16 on cpu when prefill and large batches multiply through an inexact path
         (bfloat16 or float16_weights: `auto` takes one of them on every x86 CPU with AVX2; the
-        OpenVINO runner aside: its graphs take a float32 pool), int8 instead beside
-        float16_weights where the C++ kernels (`cpp_kernels`) run (INT8_KV_PATHS says why),
-        else the model's dtype.
+        OpenVINO runner aside: its graphs take a float32 pool), else the model's dtype.
 
         A 16-bit cache halves what decode attention reads, its slowest part at large batches.
         float16 rather than bfloat16 (the same bytes, 3 more mantissa bits): beside the bf16
@@ -380,8 +375,6 @@ class ServerArgs:
             return getattr(torch, self.kv_cache_dtype)
         if (self.device == "cpu" and not self.uses_openvino
                 and self.resolved_large_path in FLOAT16_KV_PATHS):
-            if cpp_kernels and self.resolved_large_path in INT8_KV_PATHS:
-                return torch.int8
             return torch.float16
         return model_dtype
 

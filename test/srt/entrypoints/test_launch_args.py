@@ -68,22 +68,16 @@ def test_kv_cache_dtype(capsys):
     from airserve.srt.hardware import host_cpu
     from airserve.srt.layers.quant.path_choice import (
         FLOAT16_KV_PATHS,
-        INT8_KV_PATHS,
         cpu_has_bf16,
         int8_available,
     )
 
     # auto: float16 where the matmuls of prefill and large batches are inexact (bf16 or float16
-    # weights), int8 beside float16 weights where the C++ kernels run, else the model's.
+    # weights), else the model's.
     auto = parse_args([])
     assert set(FLOAT16_KV_PATHS) == {"bfloat16", "float16_weights"}
-    assert INT8_KV_PATHS == ("float16_weights",)
-    expected = (torch.int8 if auto.resolved_large_path in INT8_KV_PATHS
-                else torch.float16 if auto.resolved_large_path in FLOAT16_KV_PATHS
-                else torch.float32)
+    expected = torch.float16 if auto.resolved_large_path in FLOAT16_KV_PATHS else torch.float32
     assert auto.resolved_kv_cache_dtype(torch.float32) == expected
-    assert auto.resolved_kv_cache_dtype(torch.float32, cpp_kernels=False) == (
-        torch.float16 if expected == torch.int8 else expected)
     assert parse_args(["--dtype", "float32"]).resolved_kv_cache_dtype(torch.float32) == \
         torch.float32
     if cpu_has_bf16(host_cpu()[1]):
@@ -91,12 +85,7 @@ def test_kv_cache_dtype(capsys):
             torch.float16
     if int8_available():
         fp16w = parse_args(["--quantization", "float16_weights"])
-        assert fp16w.resolved_kv_cache_dtype(torch.float32) == torch.int8
-        # Without the C++ attention (the only reader of int8 rows): float16.
-        assert fp16w.resolved_kv_cache_dtype(torch.float32, cpp_kernels=False) == torch.float16
-        # The flag decides where given.
-        assert parse_args(["--quantization", "float16_weights", "--kv-cache-dtype", "float16"]
-                          ).resolved_kv_cache_dtype(torch.float32) == torch.float16
+        assert fp16w.resolved_kv_cache_dtype(torch.float32) == torch.float16
         # The int8 paths keep the model's dtype (their fidelity was measured over float32 KV).
         assert parse_args(["--quantization", "w8a8_int8"]).resolved_kv_cache_dtype(
             torch.float32) == torch.float32

@@ -79,7 +79,7 @@ class ModelRunner:
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.kv_dtype = args.resolved_kv_cache_dtype(self.dtype, self._cpp_kernels(args))
+        self.kv_dtype = args.resolved_kv_cache_dtype(self.dtype)
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.fallback_counts: Counter[str] = Counter()
         self.graph_replays = 0  # decode steps served by the graph runner
@@ -91,15 +91,6 @@ class ModelRunner:
         self.graph_runner = create_graph_runner(self)
 
     # Memory.
-    @staticmethod
-    def _cpp_kernels(args: ServerArgs) -> bool:
-        """The C++ CPU operators run here (an int8 KV pool needs their attention)."""
-        if args.device != "cpu":
-            return False
-        from airserve.srt.layers import cpu_kernels
-
-        return cpu_kernels.available()
-
     def _init_memory(self) -> None:
         args, cfg = self.server_args, self.model_config
         page = args.resolved_page_size

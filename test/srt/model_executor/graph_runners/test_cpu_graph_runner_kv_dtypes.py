@@ -73,30 +73,3 @@ def test_float32_cache_differs_but_stays_close(runners):
     assert 1e-6 < diff < 0.1 * lb.abs().max().item(), diff
     a.release()
     b.release()
-
-
-def test_auto_builds_an_int8_pool_beside_float16_weights(tiny_llama_dir):
-    """`--kv-cache-dtype auto` under float16_weights: the runner's pool is int8 rows (values
-    and scales, ServerArgs.resolved_kv_cache_dtype) read by the C++ decode operator, and its
-    greedy tokens equal those of an explicit `--kv-cache-dtype int8` runner on the same model."""
-    from airserve.srt.layers.quant.path_choice import int8_available
-
-    if not cpu_kernels.available() or not int8_available():
-        pytest.skip("float16_weights or the C++ kernels do not run on this CPU")
-    auto = make_runner(tiny_llama_dir, quantization="float16_weights")
-    explicit = make_runner(tiny_llama_dir, runner_from=auto, quantization="float16_weights",
-                           kv_cache_dtype="int8")
-    assert auto.kv_dtype == torch.int8
-    assert all(b.dtype == torch.int8 for b in auto.kv_pool.k_buffers)
-    report = auto.kernels_report()
-    assert report["kv_cache_dtype"] == "int8" and report["cpp_decode_attention"]
-    prompts = random_prompts(auto.model_config.vocab_size, [9, 5, 12], seed=5)
-    tokens = []
-    for runner in (auto, explicit):
-        reqs = Requests(runner, prompts)
-        steps = [reqs.prefill_logits.argmax(-1).tolist()]
-        for _ in range(5):
-            steps.append(reqs.decode(steps[-1]).argmax(-1).tolist())
-        reqs.release()
-        tokens.append(steps)
-    assert tokens[0] == tokens[1]
