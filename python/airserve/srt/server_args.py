@@ -221,9 +221,9 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
-        if self.cpu_decode_activations not in ("float32", "int8", "auto"):
+        if self.cpu_decode_activations not in ("float32", "int8", "int16", "auto"):
             raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
-                             "choose float32, int8 or auto")
+                             "choose float32, int8, int16 or auto")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs={self.torch_compile_max_bs}: must be >= 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -541,12 +541,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-decode-max-bs", type=int, default=d.packed_decode_max_bs,
                    help="largest decode batch that reads a GGUF model's 4/8-bit blocks directly "
                         "(cpu, float32; 0 turns it off); larger batches use float32 weights")
-    g.add_argument("--cpu-decode-activations", choices=("float32", "int8", "auto"),
+    g.add_argument("--cpu-decode-activations", choices=("float32", "int8", "int16", "auto"),
                    default=d.cpu_decode_activations,
                    help="activations of the packed products for decode rows: int8 (integer "
-                        "dot products, VNNI where the CPU has it), float32 (exact) or auto (the "
-                        "default: int8 where it passed the fidelity check and is faster: Q5_0, and "
-                        "Q4_1 in the gate/up projections); "
+                        "dot products, VNNI where the CPU has it), int16 (Q4_1 blocks; other "
+                        "kinds float32), float32 (exact) or auto (the default: int8 where it "
+                        "passed the fidelity check and is faster: Q5_0, and Q4_1 and Q8_0 in "
+                        "the gate/up projections; int16 in the other Q4_1 layers); "
                         "extends (prefill, chunks, cache-hit tails) always use float32")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,

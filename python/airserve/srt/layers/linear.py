@@ -227,8 +227,8 @@ class Linear(nn.Linear):
         return self.weight.numel() * self.weight.element_size()
 
     def activations_for(self, kind: str, decode: bool) -> str:
-        """The activations ("float32" or "int8") of the packed product of a `kind` segment:
-        `packed_activations` for decode rows, float32 for extend rows."""
+        """The activations ("float32", "int8" or "int16") of the packed product of a `kind`
+        segment: `packed_activations` for decode rows, float32 for extend rows."""
         if not decode:
             return "float32"
         return resolve_activations(self.packed_activations, kind, self.packed_role)
@@ -336,7 +336,7 @@ def packed_report(layers: list[Linear]) -> dict:
     resolved = {(_activations_label(kind, m.packed_role),
                  resolve_activations(m.packed_activations, kind, m.packed_role))
                 for m in packed for kind in m.packed_kinds}
-    if "auto" in activations:  # what each kind's products use for decode rows
+    if {"auto", "int16"} & set(activations):  # what each kind's products use for decode rows
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
     if packed:
         report["activations_rule"] = activations_rule(resolved)

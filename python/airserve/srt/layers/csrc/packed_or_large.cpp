@@ -38,6 +38,15 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
       .findSchemaOrThrow("airserve::q8_0_matmul", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   if (activations == "int8") return int8_op.call(x, kind, qs, d, m);
+  if (activations == "int16") {
+    static const auto i16_op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("airserve::q4_1_matmul_i16", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&)>();
+    TORCH_CHECK(kind == "q4_1", "airserve::packed_or_large: int16 activations are for q4_1 "
+                "blocks, not ", kind);
+    return i16_op.call(x, qs, *d, *m);
+  }
   if (kind == "q4_1") return q4_1_op.call(x, qs, *d, *m);
   if (kind == "q8_0") return q8_0_op.call(x, qs, *d);
   return f32_op.call(x, kind, qs, d, m);
@@ -222,7 +231,7 @@ at::Tensor packed_or_large(const at::Tensor& x, int64_t max_rows, const std::str
 const std::vector<std::string>& code_names(const std::string& field) {
   static const std::vector<std::string> kinds{"q4_1", "q8_0", "q5_0", "q5_1",
                                               "q4_k", "q5_k", "q6_k"};
-  static const std::vector<std::string> activations{"float32", "int8"};
+  static const std::vector<std::string> activations{"float32", "int8", "int16"};
   static const std::vector<std::string> paths{"sgemm", "onednn", "bf16", "int8", "fp16"};
   if (field == "kind") return kinds;
   if (field == "activations") return activations;

@@ -31,6 +31,8 @@ MAX_ROWS = 16  # the operators unpack a weight block once for at most this many 
 _lib = torch.library.Library("airserve", "FRAGMENT")
 _lib.define("q4_1_matmul(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q8_0_matmul(Tensor x, Tensor qs, Tensor d) -> Tensor")
+_lib.define("q4_1_matmul_i16(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
+_lib.define("q4_1_matmul_i16_portable(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("block_matmul_int8(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
 _lib.define("block_matmul_f32(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
 _lib.define("dequantize_blocks(str kind, Tensor qs, Tensor? d, Tensor? m, int K) -> Tensor")
@@ -39,7 +41,12 @@ _lib.define("dequantize_blocks(str kind, Tensor qs, Tensor? d, Tensor? m, int K)
 RAW_KINDS = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176),
              "q6_k": (256, 210)}
 KINDS = ("q4_1", "q8_0", *RAW_KINDS)
-ACTIVATIONS = ("float32", "int8", "auto")
+ACTIVATIONS = ("float32", "int8", "int16", "auto")
+# Kinds with an int16-activation product (csrc/block_int16.cpp): each row quantized per block of
+# 32 to int16 (error at most 1/65534 of the block's largest value), integer multiply-adds with
+# the 4-bit values. "int16" asked of another kind multiplies in float32 (resolve_activations;
+# /get_server_info's activations_by_kind shows which).
+INT16_KINDS = frozenset({"q4_1"})
 # Kinds whose products take int8 activations under "auto": int8 passed the fidelity check
 # (benchmark/kernels/fidelity.py, ~2,000 tokens: top-1 agreement with float32 >= 98%, perplexity
 # within 1%) and is faster than float32. The default model's Q4_1 file (Q4_1 layers, Q8_0
@@ -80,23 +87,36 @@ AUTO_INT8_KINDS = frozenset({"q5_0"})
 # us, 2 threads).
 AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}),
                                               "q8_0": frozenset({"gate_up_proj"})}
+# Kinds whose other layers (those AUTO_INT8_ROLES leaves in float32) take int16 activations
+# under "auto": FIDELITY_INT16_PLACEHOLDER
+AUTO_INT16_KINDS = frozenset({"q4_1"})
 
 
 def resolve_activations(activations: str, kind: str, role: str = "") -> str:
     """The activations a product of `kind` blocks uses in a layer whose role is `role`: "auto"
     picks int8 for `AUTO_INT8_KINDS` and for the roles `AUTO_INT8_ROLES` names for the kind,
-    float32 (exact) for the others."""
+    int16 for the other layers of `AUTO_INT16_KINDS`, float32 (exact) for the rest; "int16"
+    is int16 for `INT16_KINDS` and float32 for the other kinds."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
+    if activations == "int16":
+        return "int16" if kind in INT16_KINDS else "float32"
     if activations != "auto":
         return activations
     if kind in AUTO_INT8_KINDS or role in AUTO_INT8_ROLES.get(kind, ()):
         return "int8"
+    if kind in AUTO_INT16_KINDS:
+        return "int16"
     return "float32"
 
 
 @torch.library.register_fake("airserve::q4_1_matmul")
 def _q4_1_fake(x, qs, d, m):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("airserve::q4_1_matmul_i16")
+def _q4_1_i16_fake(x, qs, d, m):
     return x.new_empty(x.shape[0], qs.shape[0])
 
 
@@ -176,10 +196,14 @@ def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor |
                  m: torch.Tensor | None, activations: str = "float32") -> torch.Tensor:
     """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(weight).T, for the weight
     whose `PackedWeight` fields are (kind, qs, d, m). activations "float32": exact block values
-    times x in float32; "int8": x quantized per block of 32, integer dot products; "auto": by
-    kind (`resolve_activations`)."""
-    if resolve_activations(activations, kind) == "int8":
+    times x in float32; "int8" / "int16": x quantized per block of 32, integer dot products
+    (int16: `INT16_KINDS` only, float32 for the others); "auto": by kind
+    (`resolve_activations`)."""
+    act = resolve_activations(activations, kind)
+    if act == "int8":
         return torch.ops.airserve.block_matmul_int8(x, kind, qs, d, m)
+    if act == "int16":  # resolve_activations: q4_1 only
+        return torch.ops.airserve.q4_1_matmul_i16(x, qs, d, m)
     if kind == "q4_1":
         return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
     if kind == "q8_0":

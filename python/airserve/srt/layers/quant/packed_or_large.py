@@ -36,7 +36,7 @@ _lib.define("packed_or_large(Tensor x, int max_rows, str kinds, str activations,
 # default model's decode graph take ~25 of its ~80 s compile on a 2-core AMD EPYC (g++ -O1).
 _lib.define("packed_or_large_1(Tensor x, int max_rows, int kind, int activations, Tensor qs, "
             "Tensor? d, Tensor? m, int path, int handle, Tensor? weight) -> Tensor")
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "int16")
 LARGE_PATHS = ("sgemm", "onednn", "bf16", "int8", "fp16")
 
 

@@ -1,0 +1,240 @@
+// Q4_1 products with int16 activations, for decode (at most 16 rows).
+//
+// Each row of x is quantized per block of 32 to int16: xd = max|x| / 32767, xq = round(x / xd),
+// so an activation's error is at most xd / 2, ~1.5e-5 of its block's largest value (int8
+// activations: 256 times that). With value = d * q + m (q 4-bit), a block's product is
+//   d * xd * sum(q * xq) + m * sum(x),
+// the integer sum exact (|q * xq| < 2^19, 32 terms), sum(x) the float32 block sum.
+//
+// Why: on a 2-core AMD EPYC with AVX2 only (Zen 3), the float32 Q4_1 product converts every
+// 4-bit value to float before its FMA and runs at ~8 cycles a block, compute-bound below the
+// memory's pace; int16 multiply-adds (vpmaddwd) take the 4-bit values as they are.
+// One thread, one row: [576, 1536] 65 -> 36 us, [1536, 576] 78 -> 61 us, [960, 576]
+// 50 -> 39 us (benchmark/kernels/bench_kernels.py's float32 / int16 columns).
+//
+// The AVX2 loop takes a block's 16 bytes as eight 16-bit lanes, broadcast to both halves of a
+// register: masking with 0x000F (low half) and 0x0F00 (high half) gives q[2i] and 256 * q[2i+1];
+// the same after a 4-bit shift gives q[2i+16] and 256 * q[2i+17]. The activations are stored in
+// that order ([x0 x2 .. x14 | x1 x3 .. x15], then the same for 16..31), so one vpmaddwd per
+// half-block pairs them up; the high half's factor of 256 is the same in every block and
+// leaves at the end (an exact power-of-two scale). Lane sums stay below 2^29.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define AIRSERVE_I16_AVX2 1
+#endif
+
+#include "cpu_common.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kGrain = 32;  // output columns per parallel task, at least
+
+// One row's activations, quantized: xq int16 [K] in the lane order above, xd and xs (block
+// scale and float32 block sum) [nbp], nbp = nb rounded up to 8, zero past nb.
+struct Row16 {
+  const int16_t* xq;
+  const float* xd;
+  const float* xs;
+};
+
+void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
+  const int64_t nb = K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float scale = amax / 32767.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const auto q = [&](int j) {
+      const float r = std::nearbyint(xb[j] * inv);
+      return static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, r)));
+    };
+    int16_t* o = xq + b * kBlock;
+    for (int i = 0; i < 8; ++i) {
+      o[i] = q(2 * i);
+      o[8 + i] = q(2 * i + 1);
+      o[16 + i] = q(16 + 2 * i);
+      o[24 + i] = q(17 + 2 * i);
+    }
+    xd[b] = scale;
+    xs[b] = sum;
+  }
+}
+
+// x's value j of block b in quantize_row's lane order.
+inline int lane_of(int j) {
+  const int half = j < 16 ? 0 : 16, i = j - half;
+  return half + (i % 2) * 8 + i / 2;
+}
+
+// Plain C++ (any CPU, and the tests' second opinion): the same integer sums, per block.
+void column_portable(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
+                     const Row16& x, float* out) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = q + b * 16;
+    const int16_t* xb = x.xq + b * kBlock;
+    int32_t s = 0;
+    for (int j = 0; j < 16; ++j) {
+      s += static_cast<int32_t>(qb[j] & 15) * xb[lane_of(j)];
+      s += static_cast<int32_t>(qb[j] >> 4) * xb[lane_of(j + 16)];
+    }
+    acc += static_cast<float>(d[b]) * x.xd[b] * static_cast<float>(s) +
+           static_cast<float>(m[b]) * x.xs[b];
+  }
+  *out = acc;
+}
+
+#ifdef AIRSERVE_I16_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace i16_avx2 {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight fp16 values from p[0..count) (count <= 8), zero past count, as float32.
+inline __m256 load_half8(const at::Half* p, int64_t count) {
+  if (count == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < count; ++i) t[i] = p[i].x;
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// T rows of x times one weight column (its nb blocks).
+template <int T>
+void column(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
+            const Row16* x, float* out, int64_t ldo) {
+  const __m256i mask = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 0xF00, 0xF00, 0xF00,
+                                         0xF00, 0xF00, 0xF00, 0xF00, 0xF00);
+  __m256 acc0[T], acc1[T], mterm[T];
+  for (int r = 0; r < T; ++r) acc0[r] = acc1[r] = mterm[r] = _mm256_setzero_ps();
+  alignas(32) float scale[T][8];
+  const auto block = [&](int64_t b, int i, __m256(&acc)[T]) {
+    const __m256i v =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
+    const __m256i lo = _mm256_and_si256(v, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    for (int r = 0; r < T; ++r) {
+      const int16_t* xb = x[r].xq + kBlock * b;
+      const __m256i p = _mm256_add_epi32(
+          _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+          _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&scale[r][i]), acc[r]);
+    }
+  };
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t count = std::min<int64_t>(8, nb - b0);
+    const __m256 dv = load_half8(d + b0, count), mv = load_half8(m + b0, count);
+    for (int r = 0; r < T; ++r) {
+      _mm256_store_ps(scale[r], _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].xd + b0)));
+      mterm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x[r].xs + b0), mterm[r]);
+    }
+    int i = 0;
+    for (; i + 2 <= count; i += 2) {
+      block(b0 + i, i, acc0);
+      block(b0 + i + 1, i + 1, acc1);
+    }
+    if (i < count) block(b0 + i, i, acc0);
+  }
+  // Lanes 4..7 summed products of 256 * q.
+  const __m256 lane = _mm256_setr_ps(1.f, 1.f, 1.f, 1.f, 1.f / 256, 1.f / 256, 1.f / 256,
+                                     1.f / 256);
+  for (int r = 0; r < T; ++r)
+    out[r * ldo] = hsum(_mm256_fmadd_ps(_mm256_add_ps(acc0[r], acc1[r]), lane, mterm[r]));
+}
+
+}  // namespace i16_avx2
+#pragma GCC pop_options
+#endif  // AIRSERVE_I16_AVX2
+
+at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                const at::Tensor& m, bool vector) {
+  const char* name = "airserve::q4_1_matmul_i16";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              ": x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, name, ": at least 1 and at most ", kMaxRows,
+              " rows, got ", M);
+  TORCH_CHECK(K % kBlock == 0, name, ": K=", K, " is not a multiple of ", kBlock);
+  const int64_t nb = K / kBlock;
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.size(1) == K / 2 &&
+                  qs.is_contiguous(),
+              name, ": qs must be contiguous uint8 [N, ", K / 2, "]");
+  const int64_t N = qs.size(0);
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kHalf && t->is_contiguous() &&
+                    t->size(0) == N && t->size(1) == nb,
+                name, ": d and m must be contiguous float16 [", N, ", ", nb, "]");
+  const int64_t nbp = (nb + 7) / 8 * 8;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xd(M * nbp, 0.f), xs(M * nbp, 0.f);
+  std::vector<Row16> rows(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    quantize_row(xp + r * K, K, xq.data() + r * K, xd.data() + r * nbp, xs.data() + r * nbp);
+    rows[r] = Row16{xq.data() + r * K, xd.data() + r * nbp, xs.data() + r * nbp};
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+#ifdef AIRSERVE_I16_AVX2
+  vector = vector && airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
+#else
+  vector = false;
+#endif
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qn = q + n * (K / 2);
+      const at::Half* dn = dp + n * nb;
+      const at::Half* mn = mp + n * nb;
+#ifdef AIRSERVE_I16_AVX2
+      if (vector) {
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) i16_avx2::column<2>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
+        if (r < M) i16_avx2::column<1>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
+        continue;
+      }
+#endif
+      for (int64_t r = 0; r < M; ++r) column_portable(qn, dn, mn, nb, rows[r], o + r * N + n);
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_1_matmul_i16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                           const at::Tensor& m) {
+  return q4_1_matmul_i16_impl(x, qs, d, m, true);
+}
+
+at::Tensor q4_1_matmul_i16_portable(const at::Tensor& x, const at::Tensor& qs,
+                                    const at::Tensor& d, const at::Tensor& m) {
+  return q4_1_matmul_i16_impl(x, qs, d, m, false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
+  lib.impl("q4_1_matmul_i16", &q4_1_matmul_i16);
+  lib.impl("q4_1_matmul_i16_portable", &q4_1_matmul_i16_portable);
+}
