@@ -1,4 +1,5 @@
-"""Micro-benchmark of the packed decode kernels: float32 vs int8 activations per GGUF type.
+"""Micro-benchmark of the packed decode kernels: float32 vs int8 activations per GGUF type
+(and int16 activations for the kinds that have them: Q4_1).
 
 Shapes are the default model's (SmolLM2-135M): [N, K] = [1536, 576] (gate/up), [576, 1536]
 (down) and [49152, 576] (lm_head); K-quants need K a multiple of 256, so they run on the down
@@ -76,6 +77,7 @@ def with_isa(fn, select, isa):
 def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
         f32_isas: list[str]) -> list[dict]:
     from airserve.srt.layers.quant.block_matvec import (
+        INT16_KINDS,
         packed_linear,
         use_float32_isa,
         use_int8_isa,
@@ -93,6 +95,8 @@ def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
                 i8 = lambda x=x, w=w: packed_linear(x, w, "int8")  # noqa: E731
                 fns = {f"float32_{i}_us": with_isa(f32, use_float32_isa, i) for i in f32_isas}
                 fns.update({f"int8_{i}_us": with_isa(i8, use_int8_isa, i) for i in isas})
+                if w.kind in INT16_KINDS:  # int16 activations (csrc/block_int16.cpp)
+                    fns["int16_us"] = lambda x=x, w=w: packed_linear(x, w, "int16")
                 row = {"type": type_name, "N": n, "K": k, "rows": m, "weight_bytes": w.nbytes,
                        **time_interleaved(fns, repeats)}
                 row["float32_us"] = row[f"float32_{f32_isas[0]}_us"]
@@ -106,15 +110,16 @@ def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
 def print_header(isas: list[str], f32_isas: list[str]) -> None:
     cols = "".join(f" {'float32 ' + i:>15}" for i in f32_isas)
     cols += "".join(f" {'int8 ' + i:>17}" for i in isas)
-    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4}{cols} {'int8 gain':>9} {'GB/s f32':>8}"
-          f" {'GB/s int8':>9}")
+    print(f"{'type':5} {'N':>6} {'K':>5} {'rows':>4}{cols} {'int16':>8} {'int8 gain':>9}"
+          f" {'GB/s f32':>8} {'GB/s int8':>9}")
 
 
 def print_row(r: dict, isas: list[str], f32_isas: list[str]) -> None:
     best = r[f"int8_{isas[0]}_us"]
     cols = "".join(f" {r[f'float32_{i}_us']:15.1f}" for i in f32_isas)
     cols += "".join(f" {r[f'int8_{i}_us']:17.1f}" for i in isas)
-    print(f"{r['type']:5} {r['N']:6d} {r['K']:5d} {r['rows']:4d}{cols}"
+    int16 = f"{r['int16_us']:8.1f}" if "int16_us" in r else f"{'-':>8}"
+    print(f"{r['type']:5} {r['N']:6d} {r['K']:5d} {r['rows']:4d}{cols} {int16}"
           f" {r['float32_us'] / best:8.2f}x {r['weight_bytes'] / r['float32_us'] / 1e3:8.2f}"
           f" {r['weight_bytes'] / best / 1e3:9.2f}")
 

@@ -60,6 +60,7 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     # Not matmul paths: the activations of the packed decode products (default "auto").
     "act-float32": {"cpu_decode_activations": "float32"},
     "act-int8": {"cpu_decode_activations": "int8"},
+    "act-int16": {"cpu_decode_activations": "int16"},
     "act-auto": {"cpu_decode_activations": "auto"},
     # Nor these: the KV cache's element type (default auto).
     "kv-float32": {"kv_cache_dtype": "float32"},
