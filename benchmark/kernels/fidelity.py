@@ -249,14 +249,21 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                 ppl = math.exp(-logp.mean().item())
                 agree = (top1 == ref_top1).float().mean().item()
                 change = abs(ppl / ref_ppl - 1)
+                int16_kinds = (sorted(block_matvec.AUTO_INT16_KINDS)
+                               if act == "auto" and block_matvec.int16_measured_here()
+                               else sorted(block_matvec.INT16_KINDS) if act == "int16" else [])
                 rows.append({"scheme": scheme, "activations": act, "isa": isa,
-                             "int8_kinds": int8_kinds if act != "int8" else "all",
+                             "int8_kinds": (int8_kinds if act not in ("int8", "int16")
+                                            else "all" if act == "int8" else []),
+                             "int16_kinds": int16_kinds,
                              "tokens": int(top1.numel()), "ppl_float32": ref_ppl,
                              "ppl_int8": ppl, "ppl_change": change, "top1_agreement": agree,
                              "weight_mib": mib,
                              "passed": agree >= MIN_AGREEMENT and change <= MAX_PPL_CHANGE,
                              "seconds": time.perf_counter() - t0})
                 kinds = f" (int8: {', '.join(int8_kinds)})" if act == "auto" else ""
+                if int16_kinds:
+                    kinds += f" (int16: {', '.join(int16_kinds)})"
                 if act == "auto" and block_matvec.AUTO_INT8_ROLES:
                     kinds += f" (by role: {_roles_text(block_matvec.AUTO_INT8_ROLES)})"
                 print(f"{scheme} {act}{kinds} {isa}: top-1 {agree:.2%}, perplexity "
@@ -450,8 +457,10 @@ def main() -> None:
     p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
     p.add_argument("--all-isas", action="store_true",
                    help="int8 on every instruction set this CPU has, not only the best")
-    p.add_argument("--activations", nargs="+", default=["int8", "auto"], choices=("int8", "auto"),
-                   help="int8: every packed layer; auto: as --cpu-decode-activations auto runs")
+    p.add_argument("--activations", nargs="+", default=["int8", "auto"],
+                   choices=("int8", "int16", "auto"),
+                   help="int8: every packed layer; int16: every Q4_1 layer (other kinds "
+                        "float32); auto: as --cpu-decode-activations auto runs")
     p.add_argument("--auto-int8-kinds", nargs="+", default=None,
                    help="run auto with int8 for these kinds only (a candidate rule; default: "
                         "block_matvec.AUTO_INT8_KINDS)")

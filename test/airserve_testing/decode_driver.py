@@ -135,9 +135,11 @@ def replay_matches_eager(graph: ModelRunner, eager: ModelRunner, bs: int, atol: 
 
 
 def q4_1_decode_op(runner: ModelRunner) -> str:
-    """The operator a Q4_1 layer's packed decode product calls under `runner`'s
-    --cpu-decode-activations (auto keeps Q4_1 in float32; int8 takes the int8 product)."""
+    """The operator a Q4_1 layer's packed decode product (outside gate/up) calls under
+    `runner`'s --cpu-decode-activations (int8: the int8 product; int16, and auto where it takes
+    int16: the int16 product; float32: the float32 one)."""
     from airserve.srt.layers.quant.block_matvec import resolve_activations
 
     act = resolve_activations(runner.server_args.cpu_decode_activations, "q4_1")
-    return "airserve::block_matmul_int8" if act == "int8" else "airserve::q4_1_matmul"
+    return {"int8": "airserve::block_matmul_int8",
+            "int16": "airserve::q4_1_matmul_i16"}.get(act, "airserve::q4_1_matmul")

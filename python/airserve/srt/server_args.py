@@ -112,14 +112,17 @@ class ServerArgs:
     # Decode batches up to this size multiply with a GGUF model's Q4_0/Q4_1/Q8_0 blocks directly
     # (cpu, float32); prefill and larger batches use the dequantized float32 weights. 0: off.
     packed_decode_max_bs: int = 8
-    # Activations of those packed products for decode rows: "float32" (exact),
-    # "int8" (quantized per block of 32, integer dot products) or "auto": int8 where the int8
+    # Activations of those packed products for decode rows: "float32" (exact), "int8" / "int16"
+    # (quantized per block of 32, integer dot products) or "auto": int8 where the int8
     # products passed the fidelity check on ~2,000 tokens of the packaged text (top-1 >= 98%,
     # perplexity within 1% of float32) and run faster, float32 elsewhere: Q5_0 (measured in a
     # Q4_K_M mix) everywhere, Q4_1 in the merged gate/up projections only (99.05% / +0.03% on
     # the default file against 97.84% with int8 in every Q4_1 layer, on an AVX2-only AMD EPYC;
     # int8 in every layer sits at the bar and moved by 0.65 points between CPUs), the Q8_0
-    # lm_head and the K-quants in float32. See block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES;
+    # lm_head and the K-quants in float32. "int16" (Q4_1 blocks; other kinds float32) quantizes
+    # to 16 bits per block of 32; auto takes it in the Q4_1 layers int8 leaves, on CPUs without
+    # AVX-512 (98.90% / +0.06% on the default file, 1.5x the float32 product on that EPYC). See
+    # block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES / AUTO_INT16_KINDS;
     # test/srt/layers/test_fidelity.py reruns the check.
     # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32
     # (Linear.forward), so a prompt answers the same whether or not it was cached. Float32 stays

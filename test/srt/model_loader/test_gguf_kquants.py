@@ -118,7 +118,8 @@ def test_requantized_layers_keep_their_role_and_the_scheme_blocks() -> None:
     """gguf_quantize.requantize_linears (the fidelity and decode-step benchmarks' Q4_0 / K-quant
     files made from the default model): each layer holds the scheme's blocks (Q4_0 carried as
     q4_1 with m = -8 d), its float weight holds the same values, and it knows its role, so
-    `auto` picks its activations as on a loaded file (int8 in gate_up_proj only for q4_1)."""
+    `auto` picks its activations as on a loaded file (for q4_1: int8 in gate_up_proj, int16 in
+    the other layers)."""
     from airserve.srt.layers.linear import Linear
     from airserve.srt.layers.quant import block_matvec
     from airserve.srt.model_loader.gguf_quantize import requantize_linears, scheme_type
@@ -140,5 +141,6 @@ def test_requantized_layers_keep_their_role_and_the_scheme_blocks() -> None:
         assert torch.equal(part.dequantize(), layer.weight.detach())
         assert torch.equal(part.m, (-8 * part.d.float()).half())  # Q4_0: m = -8 d
         xin = x if name == "gate_up_proj" else torch.randn(2, 96)
-        want = "int8" if name == "gate_up_proj" else "float32"
+        want = ("int8" if name == "gate_up_proj"
+                else "int16" if block_matvec.int16_measured_here() else "float32")
         assert torch.equal(layer(xin, decode=True), block_matvec.packed_linear(xin, part, want))

@@ -27,6 +27,7 @@ from airserve.srt.layers.quant.block_matvec import (
     MAX_ROWS,
     PackedWeight,
     block_matmul,
+    int16_measured_here,
     resolve_activations,
 )
 from airserve.srt.layers.quant.matmul_paths import (
@@ -101,6 +102,7 @@ class Linear(nn.Linear):
         self.packed_kinds = tuple(p.kind for p in parts)
         self.packed_max_rows = max_rows
         self.packed_activations = activations
+        int16_measured_here()  # now, eagerly: a compiled graph cannot ask it (its docstring)
         if drop_weight:
             self.register_parameter("weight", None)
 

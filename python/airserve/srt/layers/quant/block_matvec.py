@@ -11,6 +11,8 @@ Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KIN
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
+Q4_1 also with int16 activations (`activations="int16"`, `csrc/block_int16.cpp`: AVX2 or
+portable code);
 `activations="auto"` (the server default) picks per kind
 (`resolve_activations`). The server uses int8 for decode rows only: extend rows always take
 float32 (`Linear.forward`).
@@ -87,15 +89,35 @@ AUTO_INT8_KINDS = frozenset({"q5_0"})
 # us, 2 threads).
 AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}),
                                               "q8_0": frozenset({"gate_up_proj"})}
-# Kinds whose other layers (those AUTO_INT8_ROLES leaves in float32) take int16 activations
-# under "auto": FIDELITY_INT16_PLACEHOLDER
+# Kinds whose other layers (those AUTO_INT8_ROLES leaves) take int16 activations under "auto".
+# Q4_1 (and Q4_0, carried as q4_1): int16 in q/k/v, o and down besides int8 in gate/up passed
+# the fidelity check on the 2-core AVX2 EPYC (Zen 3), the default file 98.90% / +0.06% (int8 in
+# gate/up alone: 99.05% / +0.03%), Q4_0 98.69% / +0.26%
+# (benchmark/kernels/results/fidelity_q4_1_int16_auto_amd_epyc_zen3_avx2.json), and the int16
+# product is ~1.5x the float32 one there (one thread, bs 1: [576, 1536] 65.6 -> 39.6 us,
+# [960, 576] 50.2 -> 33.4 us; bench_kernels.py), whose 4-bit-to-float conversions made it
+# compute-bound.
 AUTO_INT16_KINDS = frozenset({"q4_1"})
+_INT16_HERE: list[bool] = []
+
+
+def int16_measured_here() -> bool:
+    """Whether "auto" takes int16 on this CPU: where the float32 products' best loop is the
+    AVX2 one, the CPUs the int16 product (an AVX2 loop) was measured faster on. With AVX-512 the
+    float32 products run 16-lane loops that the int16 one has not been measured against, so
+    auto keeps float32 there (`--cpu-decode-activations int16` still runs it). Linear.attach_packed
+    asks it eagerly, so that a compiled graph reads the stored answer (its torch op returns
+    strings, which dynamo cannot trace)."""
+    if not _INT16_HERE:
+        _INT16_HERE.append(kernels_available() and float32_isas()[0] == "avx2")
+    return _INT16_HERE[0]
 
 
 def resolve_activations(activations: str, kind: str, role: str = "") -> str:
     """The activations a product of `kind` blocks uses in a layer whose role is `role`: "auto"
     picks int8 for `AUTO_INT8_KINDS` and for the roles `AUTO_INT8_ROLES` names for the kind,
-    int16 for the other layers of `AUTO_INT16_KINDS`, float32 (exact) for the rest; "int16"
+    int16 for the other layers of `AUTO_INT16_KINDS` (on CPUs where it was measured faster:
+    `int16_measured_here`), float32 (exact) for the rest; "int16"
     is int16 for `INT16_KINDS` and float32 for the other kinds."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
@@ -105,7 +127,7 @@ def resolve_activations(activations: str, kind: str, role: str = "") -> str:
         return activations
     if kind in AUTO_INT8_KINDS or role in AUTO_INT8_ROLES.get(kind, ()):
         return "int8"
-    if kind in AUTO_INT16_KINDS:
+    if kind in AUTO_INT16_KINDS and int16_measured_here():
         return "int16"
     return "float32"
 

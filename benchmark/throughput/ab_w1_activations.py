@@ -1,0 +1,115 @@
+"""W1 (one stream: a 32-token prompt, 256 greedy tokens) on offline Engines built in one process
+under different decode-activation rules, runs alternating, so that the machine's drift between
+minutes hits every side alike.
+
+Each `--side NAME=RULE` builds an Engine in compile mode (the CPU graph runner, bucket 1) with
+`--cpu-decode-activations` RULE: `float32`, `int8`, `int16`, `auto`, or `auto-no-int16` (auto as
+it was before int16 activations: int8 in the Q4_1 / Q8_0 gate/up projections, float32 in the
+other Q4_1 layers; block_matvec.AUTO_INT16_KINDS emptied while that engine builds and runs).
+Prints each side's median decode tok/s and its ratio to the first side's, and writes JSON.
+
+    python benchmark/throughput/ab_w1_activations.py --side before=auto-no-int16 \
+        --side int16=auto --rounds 6 --json ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import profile_w2  # noqa: E402
+
+RULES = ("float32", "int8", "int16", "auto", "auto-no-int16")
+
+
+@contextlib.contextmanager
+def rule(name: str):
+    """Within the block, `auto` without int16 for "auto-no-int16" (the kinds are read when a
+    product is traced or runs)."""
+    from airserve.srt.layers.quant import block_matvec
+
+    shipped = block_matvec.AUTO_INT16_KINDS
+    if name == "auto-no-int16":
+        block_matvec.AUTO_INT16_KINDS = frozenset()
+    try:
+        yield
+    finally:
+        block_matvec.AUTO_INT16_KINDS = shipped
+
+
+def parse_side(text: str) -> tuple[str, str]:
+    name, _, value = text.partition("=")
+    if not name or value not in RULES:
+        raise argparse.ArgumentTypeError(f"--side {text!r}: NAME=RULE, RULE one of {RULES}")
+    return name, value
+
+
+def main() -> int:
+    from airserve.srt.hardware import host_cpu
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", type=parse_side, action="append", required=True)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if len(args.side) < 2 or len({n for n, _ in args.side}) != len(args.side):
+        p.error("give two or more --side, each with its own name")
+    engines = {}
+    for name, value in args.side:
+        engine_args = argparse.Namespace(
+            mode="compile", path="auto", num_prompts=1, input_len=args.input_len,
+            num_threads=args.num_threads, graph_bs=[1],
+            server_arg=[f"cpu_decode_activations={value.replace('-no-int16', '')}"])
+        with rule(value):
+            engines[name] = (engine_args, value, profile_w2.build_engine(engine_args))
+        print(f"built {name}: {value}", flush=True)
+    names = list(engines)
+    runs = []
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            engine_args, value, engine = engines[name]
+            prompts = profile_w2.make_prompts(engine_args, 9000 + r)
+            with rule(value):
+                t = profile_w2.time_steps(engine, prompts, args.output_len)
+            runs.append(profile_w2.run_record(t, round=r + 1, side=name))
+            print(runs[-1], flush=True)
+    cpu = host_cpu()[0]
+    print(f"\nW1 offline Engines (compile, bucket 1), one process, {cpu}, {args.num_threads} "
+          f"threads, {args.rounds} rounds")
+    print("| side | rule | output tok/s, median | decode forward (s), median "
+          "| vs first (median of per-round tok/s ratios) |")
+    print("|---|---|---|---|---|")
+    summary = {}
+    first = names[0]
+    for name, value in args.side:
+        mine = [x for x in runs if x["side"] == name]
+        med = {k: statistics.median(x[k] for x in mine)
+               for k in ("output_tok_s", "decode_forward_s")}
+        ratios = [b["output_tok_s"] / a["output_tok_s"] for a in runs if a["side"] == first
+                  for b in mine if b["round"] == a["round"]]
+        med["speedup_vs_first"] = round(statistics.median(ratios), 3)
+        summary[name] = {"rule": value, **med}
+        print(f"| {name} | {value} | {med['output_tok_s']:.1f} | {med['decode_forward_s']:.3f} "
+              f"| {med['speedup_vs_first']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "cpu": cpu, "args": {**vars(args), "side": [list(s) for s in args.side]},
+            "runs": runs, "median": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    raise SystemExit(main())
