@@ -2,7 +2,7 @@
 
 One decode step's packed products of the default model (SmolLM2-135M: 30 layers of q/k/v
 [960, 576], o [576, 576], gate/up [3072, 576] and down [576, 1536] in Q4_1, with float32
-activations (the default) and with int8 ones, then the Q8_0 lm_head [49152, 576] with float32
+activations, with int8 ones and with int16 ones, then the Q8_0 lm_head [49152, 576] with float32
 activations), each layer with
 weights of its own so that a step reads all 66 MB (+ 30 MB) from memory as the model does,
 against a streaming read (a float32 sum) of as many bytes. Weight values are random bytes:
@@ -56,6 +56,8 @@ def workloads() -> dict:
                 for (_, k), w in zip(SHAPES, ws):
                     if activations == "int8":
                         torch.ops.airserve.block_matmul_int8(xs[k], "q4_1", *w)
+                    elif activations == "int16":
+                        torch.ops.airserve.q4_1_matmul_i16(xs[k], *w)
                     else:
                         torch.ops.airserve.q4_1_matmul(xs[k], *w)
         return run
@@ -65,6 +67,8 @@ def workloads() -> dict:
             "q4_1_f32_cached": (products([layers[0]] * LAYERS, "float32"), layer_bytes),
             "q4_1_int8_layers": (products(layers), layer_bytes),
             "q4_1_int8_cached": (products([layers[0]] * LAYERS), layer_bytes),
+            "q4_1_int16_layers": (products(layers, "int16"), layer_bytes),
+            "q4_1_int16_cached": (products([layers[0]] * LAYERS, "int16"), layer_bytes),
             "lm_head_q8_0_f32": (lambda: torch.ops.airserve.q8_0_matmul(xs[576], *head),
                                  nbytes(head))}
 

@@ -121,7 +121,7 @@ class ServerArgs:
     # int8 in every layer sits at the bar and moved by 0.65 points between CPUs), the Q8_0
     # lm_head and the K-quants in float32. "int16" (Q4_1 blocks; other kinds float32) quantizes
     # to 16 bits per block of 32; auto takes it in the Q4_1 layers int8 leaves, on CPUs without
-    # AVX-512 (98.90% / +0.06% on the default file, 1.5x the float32 product on that EPYC). See
+    # AVX-512 (99.40% / +0.17% on the default file, 1.5x the float32 product on that EPYC). See
     # block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES / AUTO_INT16_KINDS;
     # test/srt/layers/test_fidelity.py reruns the check.
     # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32

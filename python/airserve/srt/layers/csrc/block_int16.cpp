@@ -9,8 +9,10 @@
 // Why: on a 2-core AMD EPYC with AVX2 only (Zen 3), the float32 Q4_1 product converts every
 // 4-bit value to float before its FMA and runs at ~8 cycles a block, compute-bound below the
 // memory's pace; int16 multiply-adds (vpmaddwd) take the 4-bit values as they are.
-// One thread, one row: [576, 1536] 65 -> 36 us, [1536, 576] 78 -> 61 us, [960, 576]
-// 50 -> 39 us (benchmark/kernels/bench_kernels.py's float32 / int16 columns).
+// One thread, one row: [576, 1536] 65.6 -> 39.6 us, [1536, 576] 78.4 -> 53.3 us, [960, 576]
+// 50.2 -> 33.4 us (benchmark/kernels/bench_kernels.py's float32 / int16 columns); a decode
+// step's 120 Q4_1 products from memory, 2 threads: 5.26 -> 3.81 ms (int8: 3.42;
+// bench_decode_bandwidth.py).
 //
 // The AVX2 loop takes a block's 16 bytes as eight 16-bit lanes, broadcast to both halves of a
 // register: masking with 0x000F (low half) and 0x0F00 (high half) gives q[2i] and 256 * q[2i+1];

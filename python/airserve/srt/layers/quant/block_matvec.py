@@ -91,12 +91,12 @@ AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}
                                               "q8_0": frozenset({"gate_up_proj"})}
 # Kinds whose other layers (those AUTO_INT8_ROLES leaves) take int16 activations under "auto".
 # Q4_1 (and Q4_0, carried as q4_1): int16 in q/k/v, o and down besides int8 in gate/up passed
-# the fidelity check on the 2-core AVX2 EPYC (Zen 3), the default file 98.90% / +0.06% (int8 in
-# gate/up alone: 99.05% / +0.03%), Q4_0 98.69% / +0.26%
-# (benchmark/kernels/results/fidelity_q4_1_int16_auto_amd_epyc_zen3_avx2.json), and the int16
+# the fidelity check on the 2-core AVX2 EPYC (Zen 3), the default file 99.40% / +0.17% (int8 in
+# gate/up alone: 99.05% / +0.03%), Q4_0 98.85% / +0.04%; int16 in every Q4_1 layer 99.95%
+# (benchmark/kernels/results/fidelity_q4_1_int16_auto_amd_epyc_zen3_avx2.json). The int16
 # product is ~1.5x the float32 one there (one thread, bs 1: [576, 1536] 65.6 -> 39.6 us,
 # [960, 576] 50.2 -> 33.4 us; bench_kernels.py), whose 4-bit-to-float conversions made it
-# compute-bound.
+# compute-bound; W1 1.09x (benchmark/throughput/ab_w1_activations.py).
 AUTO_INT16_KINDS = frozenset({"q4_1"})
 _INT16_HERE: list[bool] = []
 
