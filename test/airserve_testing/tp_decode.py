@@ -31,11 +31,14 @@ def decode_logits(runner: ModelRunner, steps: int = STEPS) -> torch.Tensor:
 def runner_args(model: str, tp: int, compile_: bool) -> ServerArgs:
     # float32 whatever the CPU: the parity tolerance is float32's. Under bf16 products (the
     # `auto` path on CPUs with avx512_bf16 or AMX) each rank's partial sums are rounded to bf16
-    # before the all-reduce, and the tiny model's logits then differ by up to ~0.15.
+    # before the all-reduce, and the tiny model's logits then differ by up to ~0.15. Exact
+    # decode activations for the same reason: the ranks' partial sums reach the next layer
+    # with last-bit differences, and where `auto` takes int16 (Q4_1 outside gate/up) its
+    # rounding turns such a bit at a step boundary into a step (~1e-2 of this model's logits).
     return ServerArgs(model_path=model, max_total_tokens=512, max_running_requests=8,
                       tp_size=tp, num_threads=1, enable_torch_compile=compile_,
                       cuda_graph_bs=(4,),  # one bucket: the three prompts pad to 4
-                      dtype="float32")
+                      dtype="float32", cpu_decode_activations="float32")
 
 
 def main() -> None:
