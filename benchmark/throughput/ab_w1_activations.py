@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -89,18 +88,11 @@ def main() -> int:
     print(f"\nW1 offline Engines (compile, bucket 1), one process, {cpu}, {args.num_threads} "
           f"threads, {args.rounds} rounds")
     print("| side | rule | output tok/s, median | decode forward (s), median "
-          "| vs first (median of per-round tok/s ratios) |")
+          "| vs first (median of per-round wall ratios) |")
     print("|---|---|---|---|---|")
-    summary = {}
-    first = names[0]
+    summary = profile_w2.ab_medians(runs, names, ("output_tok_s", "decode_forward_s"))
     for name, value in args.side:
-        mine = [x for x in runs if x["side"] == name]
-        med = {k: statistics.median(x[k] for x in mine)
-               for k in ("output_tok_s", "decode_forward_s")}
-        ratios = [b["output_tok_s"] / a["output_tok_s"] for a in runs if a["side"] == first
-                  for b in mine if b["round"] == a["round"]]
-        med["speedup_vs_first"] = round(statistics.median(ratios), 3)
-        summary[name] = {"rule": value, **med}
+        med = summary[name] = {"rule": value, **summary[name]}
         print(f"| {name} | {value} | {med['output_tok_s']:.1f} | {med['decode_forward_s']:.3f} "
               f"| {med['speedup_vs_first']:.2f}x |")
     if args.json:

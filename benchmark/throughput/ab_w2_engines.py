@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -69,16 +68,10 @@ def main() -> int:
     print("| side | settings | wall (s), median | output tok/s, median | prefill forward (s) "
           "| decode forward (s) | vs first (median of per-round wall ratios) |")
     print("|---|---|---|---|---|---|---|")
-    summary = {}
-    first = names[0]
+    summary = profile_w2.ab_medians(
+        runs, names, ("wall_s", "output_tok_s", "prefill_forward_s", "decode_forward_s"))
     for name, pairs in args.side:
-        mine = [x for x in runs if x["side"] == name]
-        med = {k: statistics.median(x[k] for x in mine)
-               for k in ("wall_s", "output_tok_s", "prefill_forward_s", "decode_forward_s")}
-        ratios = [a["wall_s"] / b["wall_s"] for a in runs if a["side"] == first
-                  for b in mine if b["round"] == a["round"]]
-        med["speedup_vs_first"] = round(statistics.median(ratios), 3)
-        summary[name] = med
+        med = summary[name]
         print(f"| {name} | {','.join(pairs)} | {med['wall_s']:.2f} | {med['output_tok_s']:.1f} "
               f"| {med['prefill_forward_s']:.2f} | {med['decode_forward_s']:.2f} | "
               f"{med['speedup_vs_first']:.2f}x |")

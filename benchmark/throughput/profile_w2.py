@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -133,6 +134,21 @@ def run_record(timing: dict, **labels) -> dict:
             "prefill_forward_s": round(b["prefill"]["forward_s"], 3),
             "decode_forward_s": round(sum(d["forward_s"] for d in decode), 3),
             "decode_rest_s": round(sum(d["rest_s"] for d in decode), 3)}
+
+
+def ab_medians(runs: list[dict], names: list[str], keys: tuple[str, ...]) -> dict[str, dict]:
+    """Per side of an A/B (`run_record` rows labelled `side` and `round`): the median of each
+    of `keys`, and `speedup_vs_first`, the median over rounds of the first side's wall time
+    over this side's (the same requests, so also this side's tok/s over the first's)."""
+    summary = {}
+    for name in names:
+        mine = [x for x in runs if x["side"] == name]
+        med = {k: statistics.median(x[k] for x in mine) for k in keys}
+        ratios = [a["wall_s"] / b["wall_s"] for a in runs if a["side"] == names[0]
+                  for b in mine if b["round"] == a["round"]]
+        med["speedup_vs_first"] = round(statistics.median(ratios), 3)
+        summary[name] = med
+    return summary
 
 
 def _bs_range(bs: int) -> str:
