@@ -50,6 +50,13 @@ struct Row16 {
   const float* xs;
 };
 
+// Where value j of a block sits in the quantized row: [x0 x2 .. x14 | x1 x3 .. x15], then the
+// same for 16..31 (the order the AVX2 loop pairs them in, above).
+inline int lane_of(int j) {
+  const int half = j < 16 ? 0 : 16, i = j - half;
+  return half + (i % 2) * 8 + i / 2;
+}
+
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
   const int64_t nb = K / kBlock;
   for (int64_t b = 0; b < nb; ++b) {
@@ -61,26 +68,13 @@ void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) 
     }
     const float scale = amax / 32767.f;
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    const auto q = [&](int j) {
+    for (int j = 0; j < kBlock; ++j) {
       const float r = std::nearbyint(xb[j] * inv);
-      return static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, r)));
-    };
-    int16_t* o = xq + b * kBlock;
-    for (int i = 0; i < 8; ++i) {
-      o[i] = q(2 * i);
-      o[8 + i] = q(2 * i + 1);
-      o[16 + i] = q(16 + 2 * i);
-      o[24 + i] = q(17 + 2 * i);
+      xq[b * kBlock + lane_of(j)] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, r)));
     }
     xd[b] = scale;
     xs[b] = sum;
   }
-}
-
-// x's value j of block b in quantize_row's lane order.
-inline int lane_of(int j) {
-  const int half = j < 16 ? 0 : 16, i = j - half;
-  return half + (i % 2) * 8 + i / 2;
 }
 
 // Plain C++ (any CPU, and the tests' second opinion): the same integer sums, per block.
@@ -226,7 +220,8 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
                     t->size(0) == N && t->size(1) == nb,
                 name, ": d and m must be contiguous float16 [", N, ", ", nb, "]");
 #ifdef AIRSERVE_I16_AVX2
-  vector = vector && airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
+  static const bool simd = airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
+  vector = vector && simd;
 #else
   vector = false;
 #endif
