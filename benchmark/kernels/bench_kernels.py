@@ -1,5 +1,5 @@
 """Micro-benchmark of the packed decode kernels: float32 vs int8 activations per GGUF type
-(and int16 activations for the kinds that have them: Q4_1).
+(and int16 activations for the kinds that have them: Q4_1, Q4_K, Q6_K).
 
 Shapes are the default model's (SmolLM2-135M): [N, K] = [1536, 576] (gate/up), [576, 1536]
 (down) and [49152, 576] (lm_head); K-quants need K a multiple of 256, so they run on the down
@@ -95,7 +95,7 @@ def run(rows: list[int], types: list[str], repeats: int, isas: list[str],
                 i8 = lambda x=x, w=w: packed_linear(x, w, "int8")  # noqa: E731
                 fns = {f"float32_{i}_us": with_isa(f32, use_float32_isa, i) for i in f32_isas}
                 fns.update({f"int8_{i}_us": with_isa(i8, use_int8_isa, i) for i in isas})
-                if w.kind in INT16_KINDS:  # int16 activations (csrc/block_int16.cpp)
+                if w.kind in INT16_KINDS:  # int16 activations (csrc/block_int16*.cpp)
                     fns["int16_us"] = lambda x=x, w=w: packed_linear(x, w, "int16")
                 row = {"type": type_name, "N": n, "K": k, "rows": m, "weight_bytes": w.nbytes,
                        **time_interleaved(fns, repeats)}

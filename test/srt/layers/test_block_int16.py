@@ -112,11 +112,12 @@ def test_bad_inputs_are_refused(op: str) -> None:
         f(torch.randn(2, 64), w.qs, w.d.float(), w.m)
 
 
-def test_int16_is_for_q4_1_only() -> None:
-    """"int16" asked of another kind multiplies in float32 (and says so in the report)."""
-    assert block_matvec.INT16_KINDS == {"q4_1"}
+def test_int16_is_for_its_kinds_only() -> None:
+    """"int16" asked of a kind without an int16 product multiplies in float32 (and says so in
+    the report). The K-quants' int16 products: test_block_int16_k.py."""
+    assert block_matvec.INT16_KINDS == {"q4_1", "q4_k", "q6_k"}
     for kind in block_matvec.KINDS:
-        want = "int16" if kind == "q4_1" else "float32"
+        want = "int16" if kind in block_matvec.INT16_KINDS else "float32"
         assert block_matvec.resolve_activations("int16", kind) == want
         assert block_matvec.resolve_activations("int16", kind, "gate_up_proj") == want
     w = any_packed("q8_0", 24, 256, seed=8)

@@ -254,12 +254,12 @@ def test_int8_extremes_do_not_saturate(kind: str) -> None:
 
 def test_auto_activations_follow_the_fidelity_kinds() -> None:
     """activations "auto": int8 for the kinds that passed the fidelity check and are faster,
-    float32 (exact) for the others, in products, in a Linear of mixed segments and in the
-    report."""
+    int16 for those that passed in int16 (where it was measured faster), float32 (exact) for
+    the others, in products, in a Linear of mixed segments and in the report."""
     from airserve.srt.layers.linear import packed_report
 
     assert block_matvec.AUTO_INT8_KINDS == {"q5_0"}
-    assert block_matvec.AUTO_INT16_KINDS == {"q4_1"}
+    assert block_matvec.AUTO_INT16_KINDS == {"q4_1", "q4_k", "q6_k"}
     for kind in KINDS:
         want = ("int8" if kind in block_matvec.AUTO_INT8_KINDS
                 else "int16" if kind in block_matvec.AUTO_INT16_KINDS
@@ -268,19 +268,23 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
         assert block_matvec.resolve_activations("float32", kind) == "float32"
     with pytest.raises(ValueError, match="activations='int4'"):
         block_matvec.resolve_activations("int4", "q4_1")
-    parts = [any_packed("q5_0", 16, 256, seed=1), any_packed("q4_k", 8, 256, seed=2)]
-    layer = Linear(256, 24, bias=False)
+    k_act = "int16" if block_matvec.int16_measured_here() else "float32"
+    parts = [any_packed("q5_0", 16, 256, seed=1), any_packed("q4_k", 8, 256, seed=2),
+             any_packed("q5_1", 8, 256, seed=3)]
+    layer = Linear(256, 32, bias=False)
     layer.attach_packed(parts, 4, "auto", drop_weight=True)
     x = torch.randn(2, 256)
-    expected = torch.cat([packed_linear(x, parts[0], "int8"),
-                          packed_linear(x, parts[1], "float32")], dim=-1)
+    expected = torch.cat([packed_linear(x, parts[0], "int8"), packed_linear(x, parts[1], k_act),
+                          packed_linear(x, parts[2], "float32")], dim=-1)
     assert torch.equal(layer(x, decode=True), expected)
     assert not torch.equal(packed_linear(x, parts[0], "int8"), packed_linear(x, parts[0]))
     report = packed_report([layer])
     assert report["cpu_decode_activations"] == "auto"
-    assert report["activations_by_kind"] == {"q5_0": "int8", "q4_k": "float32"}
-    assert report["activations_rule"] == ("decode rows: int8 for q5_0, float32 for q4_k; "
-                                          "extend rows: float32")
+    assert report["activations_by_kind"] == {"q5_0": "int8", "q4_k": k_act, "q5_1": "float32"}
+    rule = ("decode rows: int8 for q5_0, int16 for q4_k, float32 for q5_1; extend rows: float32"
+            if k_act == "int16" else
+            "decode rows: int8 for q5_0, float32 for q4_k, q5_1; extend rows: float32")
+    assert report["activations_rule"] == rule
     assert report["int8_isa"] == block_matvec.int8_isa()
     assert report["float32_isa"] == block_matvec.float32_isa()
 
@@ -298,7 +302,7 @@ def test_auto_activations_follow_the_layer_role() -> None:
         for role in ("", "qkv_proj", "o_proj", "down_proj", "lm_head"):
             assert block_matvec.resolve_activations("auto", kind, role) == (
                 other if kind == "q4_1" else "float32")
-    assert block_matvec.resolve_activations("auto", "q6_k", "gate_up_proj") == "float32"
+    assert block_matvec.resolve_activations("auto", "q6_k", "gate_up_proj") == other
     assert block_matvec.resolve_activations("float32", "q4_1", "gate_up_proj") == "float32"
     w = any_packed("q4_1", 24, 256, seed=4)
     x = torch.randn(2, 256)

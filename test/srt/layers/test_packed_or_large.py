@@ -62,6 +62,26 @@ def test_equals_linear_forward_on_each_side(path, impl, kinds) -> None:
     assert not torch.equal(small, big)
 
 
+@pytest.mark.parametrize("activations", ["int16", "auto"])
+def test_k_quants_take_their_int16_products(activations: str) -> None:
+    """A layer of Q4_K and Q6_K blocks (K a multiple of 256) under int16 activations: the
+    operator's packed side calls their int16 products as Linear.forward does."""
+    k = 512
+    parts = [any_packed(kind, 40, k, seed=i) for i, kind in enumerate(("q4_k", "q6_k"))]
+    lin = Linear(k, 80, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.cat([p.dequantize() for p in parts]))
+    lin.attach_packed(parts, LIMIT, activations)
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, LIMIT, LIMIT + 3):
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(packed_or_large(lin, x, True), lin(x, True)), rows
+    x = torch.randn(2, k, generator=g)
+    if block_matvec.resolve_activations(activations, "q4_k") == "int16":
+        want = torch.cat([block_matvec.packed_linear(x, p, "int16") for p in parts], dim=1)
+        assert torch.equal(packed_or_large(lin, x, True), want)
+
+
 def test_dequantized_large_path_is_left_to_the_caller() -> None:
     lin = Linear(K, N, bias=False)
     lin.attach_packed(any_packed("q4_1", N, K), LIMIT, "float32", drop_weight=True)

@@ -25,8 +25,9 @@ import time
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("block_matvec.cpp", "block_int8.cpp", "block_int16.cpp", "decode_attention.cpp",
-           "packed_or_large.cpp", "activation.cpp", "logits.cpp", "norm_rope.cpp")
+SOURCES = ("block_matvec.cpp", "block_int8.cpp", "block_int16.cpp", "block_int16_k.cpp",
+           "decode_attention.cpp", "packed_or_large.cpp", "activation.cpp", "logits.cpp",
+           "norm_rope.cpp")
 # Included by the sources: part of the build name, with the sources.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_pairs.inc", "block_int8_q5.inc",
            "block_int8_avx2.inc", "block_f32.h", "block_f32_rows.inc", "block_f32_q5.inc",

@@ -43,9 +43,13 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
         .findSchemaOrThrow("airserve::q4_1_matmul_i16", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&)>();
-    TORCH_CHECK(kind == "q4_1", "airserve::packed_or_large: int16 activations are for q4_1 "
-                "blocks, not ", kind);
-    return i16_op.call(x, qs, *d, *m);
+    static const auto i16_k_op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("airserve::block_matmul_i16", "")
+        .typed<at::Tensor(const at::Tensor&, const std::string&, const at::Tensor&)>();
+    if (kind == "q4_1") return i16_op.call(x, qs, *d, *m);
+    TORCH_CHECK(kind == "q4_k" || kind == "q6_k", "airserve::packed_or_large: int16 activations "
+                "are for q4_1, q4_k and q6_k blocks, not ", kind);
+    return i16_k_op.call(x, kind, qs);
   }
   if (kind == "q4_1") return q4_1_op.call(x, qs, *d, *m);
   if (kind == "q8_0") return q8_0_op.call(x, qs, *d);

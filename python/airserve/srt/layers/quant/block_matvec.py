@@ -11,8 +11,8 @@ Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KIN
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
-Q4_1 also with int16 activations (`activations="int16"`, `csrc/block_int16.cpp`: AVX2 or
-portable code);
+Q4_1, Q4_K and Q6_K also with int16 activations (`activations="int16"`, `csrc/block_int16.cpp`
+and `csrc/block_int16_k.cpp`: AVX2 or portable code);
 `activations="auto"` (the server default) picks per kind
 (`resolve_activations`). The server uses int8 for decode rows only: extend rows always take
 float32 (`Linear.forward`).
@@ -35,6 +35,8 @@ _lib.define("q4_1_matmul(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q8_0_matmul(Tensor x, Tensor qs, Tensor d) -> Tensor")
 _lib.define("q4_1_matmul_i16(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q4_1_matmul_i16_portable(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
+_lib.define("block_matmul_i16(Tensor x, str kind, Tensor qs) -> Tensor")
+_lib.define("block_matmul_i16_portable(Tensor x, str kind, Tensor qs) -> Tensor")
 _lib.define("block_matmul_int8(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
 _lib.define("block_matmul_f32(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
 _lib.define("dequantize_blocks(str kind, Tensor qs, Tensor? d, Tensor? m, int K) -> Tensor")
@@ -44,11 +46,12 @@ RAW_KINDS = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (25
              "q6_k": (256, 210)}
 KINDS = ("q4_1", "q8_0", *RAW_KINDS)
 ACTIVATIONS = ("float32", "int8", "int16", "auto")
-# Kinds with an int16-activation product (csrc/block_int16.cpp): each row quantized per block of
-# 32 to int16 (error at most 1/65534 of the block's largest value), integer multiply-adds with
-# the 4-bit values. "int16" asked of another kind multiplies in float32 (resolve_activations;
-# /get_server_info's activations_by_kind shows which).
-INT16_KINDS = frozenset({"q4_1"})
+# Kinds with an int16-activation product (csrc/block_int16.cpp for q4_1, block_int16_k.cpp for
+# the K-quants): each row quantized per block of 32 to int16 (error at most 1/65534 of the
+# block's largest value), integer multiply-adds with the block values. "int16" asked of another
+# kind multiplies in float32 (resolve_activations; /get_server_info's activations_by_kind shows
+# which).
+INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
 # Kinds whose products take int8 activations under "auto": int8 passed the fidelity check
 # (benchmark/kernels/fidelity.py, ~2,000 tokens: top-1 agreement with float32 >= 98%, perplexity
 # within 1%) and is faster than float32. The default model's Q4_1 file (Q4_1 layers, Q8_0
@@ -97,7 +100,14 @@ AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}
 # product is ~1.5x the float32 one there (one thread, bs 1: [576, 1536] 65.6 -> 39.6 us,
 # [960, 576] 50.2 -> 33.4 us; bench_kernels.py), whose 4-bit-to-float conversions made it
 # compute-bound; W1 1.09x (benchmark/throughput/ab_w1_activations.py).
-AUTO_INT16_KINDS = frozenset({"q4_1"})
+# Q4_K and Q6_K (a Q4_K_M or Q6_K file's ffn_down on this 576-wide model; their int8 failed the
+# check in every layer, 97.24% / 97.29%): int16 passed with margin on the same Zen 3 VM,
+# `fidelity.py --schemes Q4_K_M Q6_K --activations auto int16`: the Q4_K_M mix under auto
+# (int8 in its Q5_0 layers, int16 in its Q4_K / Q6_K ones) 98.39% / +0.08% (int8 in Q5_0 alone
+# gave 98.54%), the Q6_K mix under auto 99.05% / -0.08%, int16 in every K-quant layer 99.95%
+# both (benchmark/kernels/results/fidelity_k_quants_int16_auto_amd_epyc_zen3_avx2.json). Their
+# int16 products are 1.4-2.2x the float32 ones there (csrc/block_int16_k.cpp).
+AUTO_INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
 _INT16_HERE: list[bool] = []
 
 
@@ -144,6 +154,11 @@ def _q4_1_i16_fake(x, qs, d, m):
 
 @torch.library.register_fake("airserve::q8_0_matmul")
 def _q8_0_fake(x, qs, d):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("airserve::block_matmul_i16")
+def _i16_fake(x, kind, qs):
     return x.new_empty(x.shape[0], qs.shape[0])
 
 
@@ -224,8 +239,10 @@ def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor |
     act = resolve_activations(activations, kind)
     if act == "int8":
         return torch.ops.airserve.block_matmul_int8(x, kind, qs, d, m)
-    if act == "int16":  # resolve_activations: q4_1 only
-        return torch.ops.airserve.q4_1_matmul_i16(x, qs, d, m)
+    if act == "int16":  # resolve_activations: INT16_KINDS only
+        if kind == "q4_1":
+            return torch.ops.airserve.q4_1_matmul_i16(x, qs, d, m)
+        return torch.ops.airserve.block_matmul_i16(x, kind, qs)
     if kind == "q4_1":
         return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
     if kind == "q8_0":
