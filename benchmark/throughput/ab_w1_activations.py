@@ -60,16 +60,26 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--gguf-type", default="Q4_1",
+                   help="the default model's GGUF in this type (bench_w1.py's --gguf-type: "
+                        "Q4_1 is the packaged file, others are made once with llama.cpp)")
+    p.add_argument("--gguf-dir", default="~/.cache/airserve/w1_gguf")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if len(args.side) < 2 or len({n for n, _ in args.side}) != len(args.side):
         p.error("give two or more --side, each with its own name")
+    model = []
+    if args.gguf_type != "Q4_1":
+        import bench_w1
+
+        path = bench_w1.gguf_file(args.gguf_type, args.gguf_dir, args.num_threads)
+        model = [f"model_path={path}"]
     engines = {}
     for name, value in args.side:
         engine_args = argparse.Namespace(
             mode="compile", path="auto", num_prompts=1, input_len=args.input_len,
             num_threads=args.num_threads, graph_bs=[1],
-            server_arg=[f"cpu_decode_activations={value.replace('-no-int16', '')}"])
+            server_arg=[f"cpu_decode_activations={value.replace('-no-int16', '')}", *model])
         with rule(value):
             engines[name] = (engine_args, value, profile_w2.build_engine(engine_args))
         print(f"built {name}: {value}", flush=True)

@@ -99,9 +99,10 @@ def test_quantization_error_is_that_of_16_bits(kind: str) -> None:
 
 
 def test_largest_values_do_not_overflow() -> None:
-    """The widest integer terms each kind allows, activations at +-32767 everywhere: Q4_K every
-    nibble 15; Q6_K every value 0 (q - 32 = -32) under scales of -128, so each 16-bit weight is
-    4096 and the int32 lanes reach ~2^29. An overflow would be off by far more than TOL."""
+    """The widest terms each kind allows, activations at +-32767 everywhere: Q4_K every nibble
+    15 under the largest scales; Q6_K every value 0 (q - 32 = -32) under scales of -128, whose
+    block sums reach 2^32 in the portable loop's 64-bit sums (an int32 there overflowed, found
+    by this test). An overflow would be off by far more than TOL."""
     x = (torch.ones(3, 768) * torch.tensor([[1.0], [-2.0], [3.0]])).contiguous()
     w4 = any_packed("q4_k", 16, 768, seed=5)
     blocks = w4.qs.view(16, 3, 144)

@@ -6,14 +6,16 @@
 //   Q4_K: value = d * sc[j] * q - dmin * mn[j], q 4-bit, j the block of 32 (6-bit sc, mn);
 //   Q6_K: value = d * sc[i] * (q - 32), q 6-bit, i the sub-block of 16 (int8 sc).
 // So a block of 32's product is a * xd * sum(q' * xq) + c * sum(x), with the integer sum
-// exact: Q4_K q' = q (a = d * sc[j], c = -dmin * mn[j]); Q6_K q' = sc[i] * (q - 32), |q'| <=
-// 4096 (a = d, c = 0). The AVX2 loops' int32 lanes stay below 2^30.
+// exact: Q4_K q' = q (a = d * sc[j], c = -dmin * mn[j]); Q6_K q' = q - 32, one sum per
+// sub-block of 16 (a = d * sc[i], c = 0; the AVX2 loop keeps the two sub-blocks of a block in
+// separate int32 lanes and scales them in float32). The AVX2 loops' int32 lanes stay below 2^22.
 //
 // Why: the float32 products of these kinds widen every value to float before its FMA. On a
 // 2-core AMD EPYC with AVX2 only (Zen 3) they ran at 3-6 GB/s of weights on one thread
-// (bench_kernels.py, [576, 1536], one row: Q4_K 164 us, Q6_K 116 us; Q4_1's int16 product of
-// the same shape 42 us), and the int8 products (block_int8.cpp) unpack each super-block to
-// bytes through memory first and were no faster. A Q4_K_M file's ffn_down layers are these
+// (bench_kernels.py, [576, 1536], one row: Q4_K 112-164 us, Q6_K 115 us; int16 here: 50 and
+// 66 us; Q4_1's int16 product of the same shape 42 us), and the int8 products (block_int8.cpp)
+// unpack each super-block to bytes through memory first and were no faster. Q6_K's first loop
+// multiplied its scales into the 16-bit values (vpmullw): 78 us. A Q4_K_M file's ffn_down layers are these
 // kinds (most of its other layers are Q5_0 and Q8_0 on this 576-wide model).
 //
 // The AVX2 loops take the weight bytes as 16-bit lanes: lane i of 32 bytes holds bytes 2i and
@@ -226,21 +228,28 @@ void column_q4_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int
                                                                 mterm[r]));
 }
 
-// T rows of x times one Q6_K weight column (nsb super-blocks of 210 bytes).
+// T rows of x times one Q6_K weight column (nsb super-blocks of 210 bytes). The per-16 scales
+// apply in float32: a block of 32's int32 lanes 0..3 sum values 0..15 (sub-block 2 g of the
+// half), lanes 4..7 values 16..31, so each block takes one vector of scales [s, s, s, s, t, t,
+// t, t] (a permutation of the super-block's d * sc) times its activations' xd.
 template <int T>
 void column_q6_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const __m256i byte = _mm256_set1_epi16(0xFF), bias = _mm256_set1_epi16(32);
+  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                           _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                           _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
   __m256 acc0[T], acc1[T];
   for (int r = 0; r < T; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  alignas(32) float scale[T][8];
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* p = w + sb * 210;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
     const __m256 dv = _mm256_broadcastss_ps(
         _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(p + 208)))));
-    for (int r = 0; r < T; ++r)
-      _mm256_store_ps(scale[r], _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].xd + 8 * sb)));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    const __m256 ds[2] = {
+        _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+        _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
     for (int h = 0; h < 2; ++h) {  // 128 values: ql bytes 64 h .. 64 h + 63, qh 32 h .. + 31
       const __m256i la = load32(p + 64 * h), lb = load32(p + 64 * h + 32);
       const __m256i hb = load32(p + 128 + 32 * h);
@@ -255,18 +264,18 @@ void column_q6_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45))};
       for (int g = 0; g < 4; ++g) {
-        // Values 0..15 of the block sit in the low 128-bit half of e and o, 16..31 in the
-        // high one: scale sub-block 8 h + 2 g there, 8 h + 2 g + 1 here.
-        const int i = 8 * h + 2 * g;
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[i + 1]), _mm_set1_epi16(sc[i]));
-        const __m256i e = _mm256_mullo_epi16(
-            _mm256_sub_epi16(_mm256_and_si256(q[g], byte), bias), s);
-        const __m256i o = _mm256_mullo_epi16(
-            _mm256_sub_epi16(_mm256_srli_epi16(q[g], 8), bias), s);
-        if (g % 2 == 0)
-          block_fma<T>(e, o, x, 8 * sb + 4 * h + g, scale, 4 * h + g, acc0);
-        else
-          block_fma<T>(e, o, x, 8 * sb + 4 * h + g, scale, 4 * h + g, acc1);
+        const int64_t b = 8 * sb + 4 * h + g;
+        const __m256 s = _mm256_permutevar8x32_ps(ds[h], pick[g]);
+        const __m256i e = _mm256_sub_epi16(_mm256_and_si256(q[g], byte), bias);
+        const __m256i o = _mm256_sub_epi16(_mm256_srli_epi16(q[g], 8), bias);
+        __m256(&acc)[T] = g % 2 == 0 ? acc0 : acc1;
+        for (int r = 0; r < T; ++r) {
+          const int16_t* xb = x[r].xq + kBlock * b;
+          const __m256i i32 = _mm256_add_epi32(_mm256_madd_epi16(e, load32(xb)),
+                                               _mm256_madd_epi16(o, load32(xb + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32),
+                                   _mm256_mul_ps(s, _mm256_broadcast_ss(x[r].xd + b)), acc[r]);
+        }
       }
     }
   }
