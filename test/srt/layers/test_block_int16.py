@@ -58,7 +58,8 @@ def test_products_equal_the_int16_reference(rows: int, k: int) -> None:
     outs = [run(op, x, w) for op in OPS]
     for out in outs:
         assert_near(out, ref)
-    assert_near(packed_linear(x, w, "int16"), ref)
+    if rows <= block_matvec.INT16_MAX_ROWS:  # above: float32 (test_block_int16.py)
+        assert_near(packed_linear(x, w, "int16"), ref)
     # The activations' rounding is visible: the check above is not the float32 product's.
     assert not torch.equal(outs[0], packed_linear(x, w, "float32"))
 
@@ -70,7 +71,7 @@ def test_quantization_error_is_that_of_16_bits() -> None:
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
     exact = x.double() @ w.dequantize().double().T
     scale = exact.abs().max().item()
-    err16 = (packed_linear(x, w, "int16").double() - exact).abs().max().item() / scale
+    err16 = (run(OPS[0], x, w).double() - exact).abs().max().item() / scale
     err8 = (packed_linear(x, w, "int8").double() - exact).abs().max().item() / scale
     assert err16 < 2e-4
     assert err16 < err8 / 20
@@ -129,6 +130,34 @@ def test_int16_is_for_its_kinds_only() -> None:
     report = packed_report([a, b])
     assert report["cpu_decode_activations"] == "int16"
     assert report["activations_by_kind"] == {"q4_1": "int16", "q8_0": "float32"}
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
+def test_batches_above_the_row_limit_multiply_in_float32(kind: str) -> None:
+    """int16 serves decode batches of up to INT16_MAX_ROWS rows (where it is faster); a larger
+    batch takes the float32 product, in eager dispatch, in a Linear and in packed_or_large's C++
+    (whose own limit must match)."""
+    from airserve.srt.layers.quant.packed_or_large import packed_or_large
+
+    limit = block_matvec.INT16_MAX_ROWS
+    names = torch.ops.airserve_codes.packed_or_large_names("int16_max_rows")
+    assert names == [str(limit)]
+    k = 512
+    w = any_packed(kind, 24, k, seed=12)
+    layer = Linear(k, 24, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w.dequantize())
+    layer.attach_packed(w, 8, "int16")
+    g = torch.Generator().manual_seed(12)
+    for rows in (1, limit, limit + 1, 8):
+        x = torch.randn(rows, k, generator=g)
+        i16 = (torch.ops.airserve.q4_1_matmul_i16(x, w.qs, w.d, w.m) if kind == "q4_1"
+               else torch.ops.airserve.block_matmul_i16(x, kind, w.qs))
+        want = i16 if rows <= limit else packed_linear(x, w, "float32")
+        assert torch.equal(packed_linear(x, w, "int16"), want), rows
+        assert torch.equal(layer(x, decode=True), want), rows
+        assert torch.equal(packed_or_large(layer, x, True), want), rows
+        assert not torch.equal(i16, packed_linear(x, w, "float32"))
 
 
 def test_linear_uses_int16_for_decode_rows_only() -> None:

@@ -80,7 +80,8 @@ def test_products_equal_the_int16_reference(kind: str, rows: int, k: int) -> Non
     outs = [run(op, x, w) for op in OPS]
     for out in outs:
         assert_near(out, ref)
-    assert_near(packed_linear(x, w, "int16"), ref)
+    if rows <= block_matvec.INT16_MAX_ROWS:  # above: float32 (test_block_int16.py)
+        assert_near(packed_linear(x, w, "int16"), ref)
     # The activations' rounding is visible: the check above is not the float32 product's.
     assert not torch.equal(outs[0], packed_linear(x, w, "float32"))
 
@@ -92,7 +93,7 @@ def test_quantization_error_is_that_of_16_bits(kind: str) -> None:
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(3))
     exact = x.double() @ w.dequantize().double().T
     scale = exact.abs().max().item()
-    err16 = (packed_linear(x, w, "int16").double() - exact).abs().max().item() / scale
+    err16 = (run(OPS[0], x, w).double() - exact).abs().max().item() / scale
     err8 = (packed_linear(x, w, "int8").double() - exact).abs().max().item() / scale
     assert err16 < 2e-4
     assert err16 < err8 / 20

@@ -281,7 +281,8 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     report = packed_report([layer])
     assert report["cpu_decode_activations"] == "auto"
     assert report["activations_by_kind"] == {"q5_0": "int8", "q4_k": k_act, "q5_1": "float32"}
-    rule = ("decode rows: int8 for q5_0, int16 for q4_k, float32 for q5_1; extend rows: float32"
+    rule = ("decode rows: int8 for q5_0, int16 for q4_k, float32 for q5_1 (int16 up to "
+            f"{block_matvec.INT16_MAX_ROWS} rows, float32 above); extend rows: float32"
             if k_act == "int16" else
             "decode rows: int8 for q5_0, float32 for q4_k, q5_1; extend rows: float32")
     assert report["activations_rule"] == rule
@@ -322,5 +323,7 @@ def test_auto_activations_follow_the_layer_role() -> None:
     report = packed_report(list(layers.values()))
     assert report["activations_by_kind"] == {"q4_1:down_proj": other,
                                              "q4_1:gate_up_proj": "int8"}
+    rows = (f" (int16 up to {block_matvec.INT16_MAX_ROWS} rows, float32 above)"
+            if other == "int16" else "")
     assert report["activations_rule"] == (f"decode rows: int8 for q4_1:gate_up_proj, {other} "
-                                          "for q4_1:down_proj; extend rows: float32")
+                                          f"for q4_1:down_proj{rows}; extend rows: float32")

@@ -366,6 +366,10 @@ def activations_rule(resolved: set[tuple[str, str]]) -> str:
         by_act.setdefault(act, []).append(kind)
     decode = ", ".join(f"{act} for {'/'.join(kinds)}" for act, kinds in sorted(by_act.items(),
                        key=lambda item: item[0] != "int8"))
+    if "int16" in by_act:
+        from airserve.srt.layers.quant.block_matvec import INT16_MAX_ROWS
+
+        decode += f" (int16 up to {INT16_MAX_ROWS} rows, float32 above)"
     return f"decode rows: {decode}; extend rows: float32"
 
 

@@ -253,6 +253,7 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
 #ifdef AIRSERVE_I16_AVX2
       if (vector) {
         int64_t r = 0;
+        for (; r + 4 <= M; r += 4) i16_avx2::column<4>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         for (; r + 2 <= M; r += 2) i16_avx2::column<2>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         if (r < M) i16_avx2::column<1>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         continue;

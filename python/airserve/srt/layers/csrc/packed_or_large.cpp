@@ -26,6 +26,10 @@ c10::TypedOperatorHandle<BlockFn> block_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<BlockFn>();
 }
 
+// Rows the int16 products take at most: larger decode batches multiply in float32, as
+// block_matvec.INT16_MAX_ROWS says (and why); test_packed_or_large.py compares the two.
+constexpr int64_t kInt16MaxRows = 2;
+
 at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::string& activations,
                   const at::Tensor& qs, const OptTensor& d, const OptTensor& m) {
   static const auto int8_op = block_op("airserve::block_matmul_int8");
@@ -38,7 +42,7 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
       .findSchemaOrThrow("airserve::q8_0_matmul", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   if (activations == "int8") return int8_op.call(x, kind, qs, d, m);
-  if (activations == "int16") {
+  if (activations == "int16" && x.size(0) <= kInt16MaxRows) {
     static const auto i16_op = c10::Dispatcher::singleton()
         .findSchemaOrThrow("airserve::q4_1_matmul_i16", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -237,10 +241,12 @@ const std::vector<std::string>& code_names(const std::string& field) {
                                               "q4_k", "q5_k", "q6_k"};
   static const std::vector<std::string> activations{"float32", "int8", "int16"};
   static const std::vector<std::string> paths{"sgemm", "onednn", "bf16", "int8", "fp16"};
+  static const std::vector<std::string> int16_rows{std::to_string(kInt16MaxRows)};
   if (field == "kind") return kinds;
+  if (field == "int16_max_rows") return int16_rows;
   if (field == "activations") return activations;
-  TORCH_CHECK(field == "path", "airserve::packed_or_large_names: unknown field '", field,
-              "' (kind, activations or path)");
+  TORCH_CHECK(field == "path", "airserve_codes::packed_or_large_names: unknown field '", field,
+              "' (kind, activations, path or int16_max_rows)");
   return paths;
 }
 

@@ -108,6 +108,16 @@ AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}
 # both (benchmark/kernels/results/fidelity_k_quants_int16_auto_amd_epyc_zen3_avx2.json). Their
 # int16 products are 1.4-2.2x the float32 ones there (csrc/block_int16_k.cpp).
 AUTO_INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
+# The int16 products serve decode batches of at most this many rows; larger ones multiply in
+# float32 whatever the setting (more exact, and faster there). Each extra row costs the int16
+# loop a vpmaddwd pair, a conversion and an FMA per block (~28 us a row for [1536, 576] Q4_1 on
+# one thread) against the float32 loop's four FMAs on weights it unpacked once (~23 us), so
+# int16 wins by the unpacking it saves at 1-2 rows and loses from ~4 on. One thread, AVX2 EPYC
+# (Zen 3), float32 against int16 (us): Q4_1 [1536, 576] 1 row 77.9 / 52.6, 2 rows 113.7 /
+# 80.6, 4 rows 170.6 / 181.7, 8 rows 241.0 / 359.5; [576, 1536] 67.6 / 43.3, 94.1 / 66.1, 158.0 /
+# 139.0, 359.3 / 351.7. The C++ side of packed_or_large keeps the same limit
+# (csrc/packed_or_large.cpp, kInt16MaxRows; test_packed_or_large.py compares them).
+INT16_MAX_ROWS = 2
 _INT16_HERE: list[bool] = []
 
 
@@ -234,9 +244,11 @@ def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor |
     """x: float32 [M <= MAX_ROWS, K] -> [M, N] = x @ dequantize(weight).T, for the weight
     whose `PackedWeight` fields are (kind, qs, d, m). activations "float32": exact block values
     times x in float32; "int8" / "int16": x quantized per block of 32, integer dot products
-    (int16: `INT16_KINDS` only, float32 for the others); "auto": by kind
-    (`resolve_activations`)."""
+    (int16: `INT16_KINDS` only, float32 for the others and above `INT16_MAX_ROWS` rows); "auto":
+    by kind (`resolve_activations`)."""
     act = resolve_activations(activations, kind)
+    if act == "int16" and x.shape[0] > INT16_MAX_ROWS:
+        act = "float32"
     if act == "int8":
         return torch.ops.airserve.block_matmul_int8(x, kind, qs, d, m)
     if act == "int16":  # resolve_activations: INT16_KINDS only
