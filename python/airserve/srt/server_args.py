@@ -119,9 +119,10 @@ class ServerArgs:
     # Q4_K_M mix) everywhere, Q4_1 in the merged gate/up projections only (99.05% / +0.03% on
     # the default file against 97.84% with int8 in every Q4_1 layer, on an AVX2-only AMD EPYC;
     # int8 in every layer sits at the bar and moved by 0.65 points between CPUs), the Q8_0
-    # lm_head and the K-quants in float32. "int16" (Q4_1 blocks; other kinds float32) quantizes
-    # to 16 bits per block of 32; auto takes it in the Q4_1 layers int8 leaves, on CPUs without
-    # AVX-512 (99.40% / +0.17% on the default file, 1.5x the float32 product on that EPYC). See
+    # lm_head in float32. "int16" (Q4_1, Q4_K and Q6_K blocks; other kinds float32; decode
+    # batches of at most 2 rows, float32 above) quantizes to 16 bits per block of 32; auto takes
+    # it in the Q4_1 layers int8 leaves and in the K-quants, on CPUs without AVX-512 (99.40% /
+    # +0.17% on the default file, 1.5x the float32 product on that EPYC; Q4_K_M 98.39%). See
     # block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES / AUTO_INT16_KINDS;
     # test/srt/layers/test_fidelity.py reruns the check.
     # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32
@@ -547,10 +548,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-decode-activations", choices=("float32", "int8", "int16", "auto"),
                    default=d.cpu_decode_activations,
                    help="activations of the packed products for decode rows: int8 (integer "
-                        "dot products, VNNI where the CPU has it), int16 (Q4_1 blocks; other "
-                        "kinds float32), float32 (exact) or auto (the default: int8 where it "
-                        "passed the fidelity check and is faster: Q5_0, and Q4_1 and Q8_0 in "
-                        "the gate/up projections; int16 in the other Q4_1 layers); "
+                        "dot products, VNNI where the CPU has it), int16 (Q4_1, Q4_K and Q6_K "
+                        "blocks, decode batches of up to 2 rows; other kinds and larger batches "
+                        "float32), float32 (exact) or auto (the default: int8 where it passed "
+                        "the fidelity check and is faster: Q5_0, and Q4_1 and Q8_0 in the "
+                        "gate/up projections; int16 in the other Q4_1 layers and the K-quants); "
                         "extends (prefill, chunks, cache-hit tails) always use float32")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,
