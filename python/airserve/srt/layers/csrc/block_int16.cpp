@@ -35,10 +35,11 @@
 #endif
 
 #include "cpu_common.h"
+#include "int16_rows.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using airserve_int16::kBlock;
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGrain = 32;  // output columns per parallel task, at least
 
@@ -58,23 +59,7 @@ inline int lane_of(int j) {
 }
 
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
-  const int64_t nb = K / kBlock;
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    const float scale = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      const float r = std::nearbyint(xb[j] * inv);
-      xq[b * kBlock + lane_of(j)] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, r)));
-    }
-    xd[b] = scale;
-    xs[b] = sum;
-  }
+  airserve_int16::quantize_row_portable(x, K, xq, xd, xs, lane_of);
 }
 
 // Plain C++ (any CPU, and the tests' second opinion): the same integer sums, per block.
@@ -100,12 +85,7 @@ void column_portable(const uint8_t* q, const at::Half* d, const at::Half* m, int
 #pragma GCC target("avx2,fma,f16c")
 namespace i16_avx2 {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+using airserve_int16::hsum8;
 
 // Eight fp16 values from p[0..count) (count <= 8), zero past count, as float32. An even
 // count (the default model's 576-wide rows end in a group of 2) is one masked load of 32-bit
@@ -122,35 +102,14 @@ inline __m256 load_half8(const at::Half* p, int64_t count) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
 }
 
-// quantize_row's values, eight lanes at a time: the same scale, products and rounding
-// (cvtps rounds half to even, as nearbyint does under the default rounding mode), the lane
-// order made by one permutation of each eight and the saturating pack.
+// quantize_row's values (int16_rows.h): the halves' eight-lane groups are already in lane_of's
+// order, [x0 x2 .. x14 | x1 x3 .. x15] and the same for 16..31.
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i evens_odds = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-    }
-    // The block sum (in another order than the portable loop's: last-bit differences).
-    const float s = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const float top = _mm_cvtss_f32(m4);
-    const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j)
-      q[j] = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)),
-                                         evens_odds);
-    int16_t* o = xq + b * kBlock;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_packs_epi32(q[0], q[1]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm256_packs_epi32(q[2], q[3]));
-    xd[b] = top / 32767.f;
-    xs[b] = s;
+    __m256i lo, hi;
+    airserve_int16::quantize_block_avx2(x + b * kBlock, &lo, &hi, xd + b, xs + b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16), hi);
   }
 }
 
@@ -194,7 +153,7 @@ void column(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
   const __m256 lane = _mm256_setr_ps(1.f, 1.f, 1.f, 1.f, 1.f / 256, 1.f / 256, 1.f / 256,
                                      1.f / 256);
   for (int r = 0; r < T; ++r)
-    out[r * ldo] = hsum(_mm256_fmadd_ps(_mm256_add_ps(acc0[r], acc1[r]), lane, mterm[r]));
+    out[r * ldo] = hsum8(_mm256_fmadd_ps(_mm256_add_ps(acc0[r], acc1[r]), lane, mterm[r]));
 }
 
 }  // namespace i16_avx2
@@ -253,7 +212,6 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
 #ifdef AIRSERVE_I16_AVX2
       if (vector) {
         int64_t r = 0;
-        for (; r + 4 <= M; r += 4) i16_avx2::column<4>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         for (; r + 2 <= M; r += 2) i16_avx2::column<2>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         if (r < M) i16_avx2::column<1>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
         continue;

@@ -40,12 +40,13 @@
 
 #include "block_unpack.h"
 #include "cpu_common.h"
+#include "int16_rows.h"
 
 namespace {
 
 using airserve_blocks::Kind;
 
-constexpr int64_t kBlock = 32;
+using airserve_int16::kBlock;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGrain = 16;  // output columns per parallel task, at least
@@ -63,21 +64,7 @@ struct RowK16 {
 inline int slot_of(int j) { return (j % 2) * 16 + j / 2; }
 
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      const float r = std::nearbyint(xb[j] * inv);
-      xq[b * kBlock + slot_of(j)] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, r)));
-    }
-    xd[b] = amax / 32767.f;
-    xs[b] = sum;
-  }
+  airserve_int16::quantize_row_portable(x, K, xq, xd, xs, slot_of);
 }
 
 // Plain C++ (any CPU, and the tests' second opinion): the weight unpacked by block_unpack.h
@@ -113,45 +100,18 @@ void column_portable(const airserve_blocks::Row& w, int64_t nb, const RowK16& x,
 #pragma GCC target("avx2,fma,f16c")
 namespace i16k_avx2 {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+using airserve_int16::hsum8;
 
-// quantize_row's values: the same scale, products and rounding (cvtps rounds half to even, as
-// nearbyint does by default). Slot order: each eight int32 lanes permuted to [evens | odds],
-// packs interleaves two such vectors per 128-bit half, and two cross-half permutes put the 16
-// evens and the 16 odds of the block each in one register.
+// quantize_row's values (int16_rows.h): two cross-half permutes put the block's 16 evens and
+// 16 odds each in one register.
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i evens_odds = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-    }
-    const float s = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const float top = _mm_cvtss_f32(m4);
-    const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j)
-      q[j] = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)),
-                                         evens_odds);
-    // [evens of 0..15 | odds of 0..15] and the same for 16..31.
-    const __m256i lo = _mm256_packs_epi32(q[0], q[1]), hi = _mm256_packs_epi32(q[2], q[3]);
+    __m256i lo, hi;  // [evens of 0..15 | odds of 0..15], the same for 16..31
+    airserve_int16::quantize_block_avx2(x + b * kBlock, &lo, &hi, xd + b, xs + b);
     int16_t* o = xq + b * kBlock;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute2x128_si256(lo, hi, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
                         _mm256_permute2x128_si256(lo, hi, 0x31));
-    xd[b] = top / 32767.f;
-    xs[b] = s;
   }
 }
 
@@ -224,7 +184,7 @@ void column_q4_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int
       block_fma<T>(e1, o1, x, 8 * sb + 2 * k + 1, scale, 2 * k + 1, acc1);
     }
   }
-  for (int r = 0; r < T; ++r) out[r * ldo] = hsum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]),
+  for (int r = 0; r < T; ++r) out[r * ldo] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]),
                                                                 mterm[r]));
 }
 
@@ -279,7 +239,7 @@ void column_q6_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int
       }
     }
   }
-  for (int r = 0; r < T; ++r) out[r * ldo] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+  for (int r = 0; r < T; ++r) out[r * ldo] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 }  // namespace i16k_avx2
