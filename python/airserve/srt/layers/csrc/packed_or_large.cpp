@@ -27,7 +27,7 @@ c10::TypedOperatorHandle<BlockFn> block_op(const char* name) {
 }
 
 // Rows the int16 products take at most: larger decode batches multiply in float32, as
-// block_matvec.INT16_MAX_ROWS says (and why); test_packed_or_large.py compares the two.
+// block_matvec.INT16_MAX_ROWS says (and why); test_block_int16.py compares the two.
 constexpr int64_t kInt16MaxRows = 2;
 
 at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::string& activations,

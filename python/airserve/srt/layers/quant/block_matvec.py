@@ -116,7 +116,7 @@ AUTO_INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
 # (Zen 3), float32 against int16 (us): Q4_1 [1536, 576] 1 row 77.9 / 52.6, 2 rows 113.7 /
 # 80.6, 4 rows 170.6 / 181.7, 8 rows 241.0 / 359.5; [576, 1536] 67.6 / 43.3, 94.1 / 66.1, 158.0 /
 # 139.0, 359.3 / 351.7. The C++ side of packed_or_large keeps the same limit
-# (csrc/packed_or_large.cpp, kInt16MaxRows; test_packed_or_large.py compares them).
+# (csrc/packed_or_large.cpp, kInt16MaxRows; test_block_int16.py compares them).
 INT16_MAX_ROWS = 2
 _INT16_HERE: list[bool] = []
 
