@@ -25,7 +25,7 @@ JSON as `step_spans`).
 Usage (the full run; on an otherwise idle machine):
     python benchmark/serving/bench_load.py --output-dir load_results
 A quick run with small sizes (a few minutes):
-    python benchmark/serving/bench_load.py --small --output-dir /tmp/load_small
+    python benchmark/serving/bench_load.py --small --output-dir load_small
 """
 
 from __future__ import annotations
