@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -43,13 +42,7 @@ using airserve_int16::kBlock;
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGrain = 32;  // output columns per parallel task, at least
 
-// One row's activations, quantized: xq int16 [K] in the lane order above, xd and xs (block
-// scale and float32 block sum) [nbp], nbp = nb rounded up to 8, zero past nb.
-struct Row16 {
-  const int16_t* xq;
-  const float* xd;
-  const float* xs;
-};
+using airserve_int16::Row;  // a quantized row, xq in lane_of's order
 
 // Where value j of a block sits in the quantized row: [x0 x2 .. x14 | x1 x3 .. x15], then the
 // same for 16..31 (the order the AVX2 loop pairs them in, above).
@@ -64,7 +57,7 @@ void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) 
 
 // Plain C++ (any CPU, and the tests' second opinion): the same integer sums, per block.
 void column_portable(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
-                     const Row16& x, float* out) {
+                     const Row& x, float* out) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* qb = q + b * 16;
@@ -116,7 +109,7 @@ void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) 
 // T rows of x times one weight column (its nb blocks).
 template <int T>
 void column(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
-            const Row16* x, float* out, int64_t ldo) {
+            const Row* x, float* out, int64_t ldo) {
   const __m256i mask = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 0xF00, 0xF00, 0xF00,
                                          0xF00, 0xF00, 0xF00, 0xF00, 0xF00);
   __m256 acc0[T], acc1[T], mterm[T];
@@ -179,26 +172,14 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
                     t->size(0) == N && t->size(1) == nb,
                 name, ": d and m must be contiguous float16 [", N, ", ", nb, "]");
 #ifdef AIRSERVE_I16_AVX2
-  static const bool simd = airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
-  vector = vector && simd;
+  vector = vector && airserve_int16::avx2_here();
+  const auto quantize = vector ? i16_avx2::quantize_row : quantize_row;
 #else
   vector = false;
+  const auto quantize = quantize_row;
 #endif
-  const int64_t nbp = (nb + 7) / 8 * 8;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xd(M * nbp, 0.f), xs(M * nbp, 0.f);
-  std::vector<Row16> rows(M);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r) {
-#ifdef AIRSERVE_I16_AVX2
-    if (vector)
-      i16_avx2::quantize_row(xp + r * K, K, xq.data() + r * K, xd.data() + r * nbp,
-                             xs.data() + r * nbp);
-    else
-#endif
-      quantize_row(xp + r * K, K, xq.data() + r * K, xd.data() + r * nbp, xs.data() + r * nbp);
-    rows[r] = Row16{xq.data() + r * K, xd.data() + r * nbp, xs.data() + r * nbp};
-  }
+  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K, quantize);
+  const Row* rows = quantized.rows();
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();

@@ -31,7 +31,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -52,13 +51,7 @@ constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGrain = 16;  // output columns per parallel task, at least
 constexpr int64_t kPrefetchColumns = 8;
 
-// One row's activations, quantized: xq int16 [K] in slot order, xd (block scale) and xs (float32
-// block sum) [K / 32].
-struct RowK16 {
-  const int16_t* xq;
-  const float* xd;
-  const float* xs;
-};
+using airserve_int16::Row;  // a quantized row, xq in slot_of's order
 
 // Where value j of a block of 32 sits in the quantized row: evens first, then odds.
 inline int slot_of(int j) { return (j % 2) * 16 + j / 2; }
@@ -69,7 +62,7 @@ void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) 
 
 // Plain C++ (any CPU, and the tests' second opinion): the weight unpacked by block_unpack.h
 // (value = a[b] * s16[e / 16] * q[e] + c[b]), the same integer sums per block.
-void column_portable(const airserve_blocks::Row& w, int64_t nb, const RowK16& x, float* out) {
+void column_portable(const airserve_blocks::Row& w, int64_t nb, const Row& x, float* out) {
   airserve_blocks::Group g;
   float acc = 0.f;
   for (int64_t gi = 0; gi * 8 < nb; ++gi) {
@@ -140,7 +133,7 @@ inline __m256i load32(const void* p) {
 // Block b of row r times evens e and odds o (16-bit weights in value order 2i / 2i + 1),
 // added to acc at the block's float scale.
 template <int T>
-inline void block_fma(__m256i e, __m256i o, const RowK16* x, int64_t b, const float (*scale)[8],
+inline void block_fma(__m256i e, __m256i o, const Row* x, int64_t b, const float (*scale)[8],
                       int i, __m256 (&acc)[T]) {
   for (int r = 0; r < T; ++r) {
     const int16_t* xb = x[r].xq + kBlock * b;
@@ -152,7 +145,7 @@ inline void block_fma(__m256i e, __m256i o, const RowK16* x, int64_t b, const fl
 
 // T rows of x times one Q4_K weight column (nsb super-blocks of 144 bytes).
 template <int T>
-void column_q4_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int64_t ldo) {
+void column_q4_k(const uint8_t* w, int64_t nsb, const Row* x, float* out, int64_t ldo) {
   const __m256i nib = _mm256_set1_epi16(15);
   __m256 acc0[T], acc1[T], mterm[T];
   for (int r = 0; r < T; ++r) acc0[r] = acc1[r] = mterm[r] = _mm256_setzero_ps();
@@ -193,7 +186,7 @@ void column_q4_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int
 // half), lanes 4..7 values 16..31, so each block takes one vector of scales [s, s, s, s, t, t,
 // t, t] (a permutation of the super-block's d * sc) times its activations' xd.
 template <int T>
-void column_q6_k(const uint8_t* w, int64_t nsb, const RowK16* x, float* out, int64_t ldo) {
+void column_q6_k(const uint8_t* w, int64_t nsb, const Row* x, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const __m256i byte = _mm256_set1_epi16(0xFF), bias = _mm256_set1_epi16(32);
   const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
@@ -273,25 +266,14 @@ at::Tensor block_matmul_i16_impl(const at::Tensor& x, const std::string& kind_na
               K, " values)");
   const int64_t N = qs.size(0);
 #ifdef AIRSERVE_I16K_AVX2
-  static const bool simd = airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
-  vector = vector && simd;
+  vector = vector && airserve_int16::avx2_here();
+  const auto quantize = vector ? i16k_avx2::quantize_row : quantize_row;
 #else
   vector = false;
+  const auto quantize = quantize_row;
 #endif
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xd(M * nb), xs(M * nb);
-  std::vector<RowK16> rows(M);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r) {
-#ifdef AIRSERVE_I16K_AVX2
-    if (vector)
-      i16k_avx2::quantize_row(xp + r * K, K, xq.data() + r * K, xd.data() + r * nb,
-                              xs.data() + r * nb);
-    else
-#endif
-      quantize_row(xp + r * K, K, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
-    rows[r] = RowK16{xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb};
-  }
+  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K, quantize);
+  const Row* rows = quantized.rows();
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();

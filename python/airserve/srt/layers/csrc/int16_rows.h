@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
+
+#include "cpu_common.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -16,6 +19,47 @@
 namespace airserve_int16 {
 
 constexpr int64_t kBlock = 32;
+
+// One quantized row as the products read it: xq int16 [K] in the product's slot order, xd and
+// xs (block scales and float32 block sums) from its first block on.
+struct Row {
+  const int16_t* xq;
+  const float* xd;
+  const float* xs;
+};
+
+// Whether the AVX2 loops (compiled through target options whatever the build machine) can run.
+inline bool avx2_here() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
+  static const bool ok = airserve_cpu::has_avx2_fma() && __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The M rows of x [M, K], each quantized by `quantize(x_row, K, xq, xd, xs)`; xd and xs hold a
+// multiple of 8 blocks per row, zero past K / 32 (loops read them eight blocks at a time).
+class QuantizedRows {
+ public:
+  template <typename Quantize>
+  QuantizedRows(const float* x, int64_t M, int64_t K, Quantize quantize)
+      : nbp_((K / kBlock + 7) / 8 * 8), xq_(M * K), xd_(M * nbp_, 0.f), xs_(M * nbp_, 0.f) {
+    for (int64_t r = 0; r < M; ++r) {
+      quantize(x + r * K, K, xq_.data() + r * K, xd_.data() + r * nbp_, xs_.data() + r * nbp_);
+      rows_.push_back(Row{xq_.data() + r * K, xd_.data() + r * nbp_, xs_.data() + r * nbp_});
+    }
+  }
+  QuantizedRows(const QuantizedRows&) = delete;
+  QuantizedRows& operator=(const QuantizedRows&) = delete;
+  const Row* rows() const { return rows_.data(); }
+
+ private:
+  int64_t nbp_;
+  std::vector<int16_t> xq_;
+  std::vector<float> xd_, xs_;
+  std::vector<Row> rows_;
+};
 
 // Plain C++: block b's value j goes to xq[32 b + slot(j)].
 template <typename Slot>
