@@ -1,6 +1,7 @@
 """W1 (one stream: a 32-token prompt, 256 greedy tokens) on offline Engines built in one process
-under different decode-activation rules, runs alternating, so that the machine's drift between
-minutes hits every side alike.
+under different decode-activation rules, runs alternating (rotating, with more than two
+sides: profile_w2.ab_rounds), so that the machine's drift between minutes hits every side
+alike.
 
 Each `--side NAME=RULE` builds an Engine in compile mode (the CPU graph runner, bucket 1) with
 `--cpu-decode-activations` RULE: `float32`, `int8`, `int16`, `auto`, or `auto-no-int16` (auto as
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -81,19 +81,12 @@ def main() -> int:
             num_threads=args.num_threads, graph_bs=[1],
             server_arg=[f"cpu_decode_activations={value.replace('-no-int16', '')}", *model])
         with rule(value):
-            engines[name] = (engine_args, value, profile_w2.build_engine(engine_args))
+            engines[name] = (engine_args, profile_w2.build_engine(engine_args))
         print(f"built {name}: {value}", flush=True)
     names = list(engines)
-    runs = []
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            engine_args, value, engine = engines[name]
-            prompts = profile_w2.make_prompts(engine_args, 9000 + r)
-            with rule(value):
-                t = profile_w2.time_steps(engine, prompts, args.output_len)
-            runs.append(profile_w2.run_record(t, round=r + 1, side=name))
-            print(runs[-1], flush=True)
+    rules = dict(args.side)
+    runs = profile_w2.ab_rounds(engines, args.rounds, args.output_len,
+                                lambda r, i: 9000 + r, lambda name: rule(rules[name]))
     cpu = host_cpu()[0]
     print(f"\nW1 offline Engines (compile, bucket 1), one process, {cpu}, {args.num_threads} "
           f"threads, {args.rounds} rounds")
@@ -106,9 +99,7 @@ def main() -> int:
         print(f"| {name} | {value} | {med['output_tok_s']:.1f} | {med['decode_forward_s']:.3f} "
               f"| {med['speedup_vs_first']:.2f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "cpu": cpu, "args": {**vars(args), "side": [list(s) for s in args.side]},
-            "runs": runs, "median": summary}, indent=1))
+        profile_w2.write_ab_json(args.json, cpu, args, runs, summary)
     return 0
 
 

@@ -15,7 +15,6 @@ tok/s with its ratio to the first side, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -53,15 +52,8 @@ def main() -> int:
         engines[name] = (engine_args, profile_w2.build_engine(engine_args))
         print(f"built {name}: {pairs}", flush=True)
     names = list(engines)
-    runs = []
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for i, name in enumerate(order):
-            engine_args, engine = engines[name]
-            prompts = profile_w2.make_prompts(engine_args, 7000 + 16 * r + i)
-            t = profile_w2.time_steps(engine, prompts, args.output_len)
-            runs.append(profile_w2.run_record(t, round=r + 1, side=name))
-            print(runs[-1], flush=True)
+    runs = profile_w2.ab_rounds(engines, args.rounds, args.output_len,
+                                lambda r, i: 7000 + 16 * r + i)
     cpu = host_cpu()[0]
     print(f"\nW2 offline Engines (compile), one process, {cpu}, {args.num_threads} threads, "
           f"{args.rounds} rounds")
@@ -76,9 +68,7 @@ def main() -> int:
               f"| {med['prefill_forward_s']:.2f} | {med['decode_forward_s']:.2f} | "
               f"{med['speedup_vs_first']:.2f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "cpu": cpu, "args": {**vars(args), "side": [list(s) for s in args.side]},
-            "runs": runs, "median": summary}, indent=1))
+        profile_w2.write_ab_json(args.json, cpu, args, runs, summary)
     return 0
 
 

@@ -16,12 +16,14 @@ lists the operators by self CPU time, matmuls by input shape, with the GFLOP/s e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -134,6 +136,38 @@ def run_record(timing: dict, **labels) -> dict:
             "prefill_forward_s": round(b["prefill"]["forward_s"], 3),
             "decode_forward_s": round(sum(d["forward_s"] for d in decode), 3),
             "decode_rest_s": round(sum(d["rest_s"] for d in decode), 3)}
+
+
+def ab_rounds(engines: dict[str, tuple], rounds: int, output_len: int,
+              prompt_seed: Callable[[int, int], int],
+              around: Callable[[str], contextlib.AbstractContextManager] | None = None
+              ) -> list[dict]:
+    """The rounds of an A/B on offline Engines built in one process: `engines` maps each side's
+    name to (its build_engine args, the Engine). Each round runs every side once, the order
+    rotated by one side a round (two sides: alternating), so the machine's drift hits every
+    side alike; the i-th side run in round r gets the prompts of seed `prompt_seed(r, i)`, and
+    runs inside `around(name)` when given. Returns `run_record` rows labelled round and side."""
+    names = list(engines)
+    runs = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for i, name in enumerate(order):
+            engine_args, engine = engines[name]
+            prompts = make_prompts(engine_args, prompt_seed(r, i))
+            with around(name) if around else contextlib.nullcontext():
+                t = time_steps(engine, prompts, output_len)
+            runs.append(run_record(t, round=r + 1, side=name))
+            print(runs[-1], flush=True)
+    return runs
+
+
+def write_ab_json(path: str, cpu: str, args: argparse.Namespace, runs: list[dict],
+                  summary: dict) -> None:
+    """An A/B's record: the CPU, the arguments (each `--side` as a list), the runs, the
+    medians."""
+    Path(path).write_text(json.dumps({
+        "cpu": cpu, "args": {**vars(args), "side": [list(s) for s in args.side]},
+        "runs": runs, "median": summary}, indent=1))
 
 
 def ab_medians(runs: list[dict], names: list[str], keys: tuple[str, ...]) -> dict[str, dict]:
