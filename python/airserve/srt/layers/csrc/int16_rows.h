@@ -45,6 +45,7 @@ class QuantizedRows {
   template <typename Quantize>
   QuantizedRows(const float* x, int64_t M, int64_t K, Quantize quantize)
       : nbp_((K / kBlock + 7) / 8 * 8), xq_(M * K), xd_(M * nbp_, 0.f), xs_(M * nbp_, 0.f) {
+    rows_.reserve(M);
     for (int64_t r = 0; r < M; ++r) {
       quantize(x + r * K, K, xq_.data() + r * K, xd_.data() + r * nbp_, xs_.data() + r * nbp_);
       rows_.push_back(Row{xq_.data() + r * K, xd_.data() + r * nbp_, xs_.data() + r * nbp_});
