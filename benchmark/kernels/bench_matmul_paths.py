@@ -24,6 +24,8 @@ so a busy machine slows all alike), medians reported:
   w8a8_int8_outliers  airserve's --quantization w8a8_int8_outliers: w8a8_int8 with 16 input
                  channels (evenly spaced here; calibrated in the server) multiplied in float32
   torchao_int8   torchao Int8DynamicActivationInt8WeightConfig (per-token int8), eager
+  int8_blocks    airserve's int8_blocks (--cpu-large-decode-activations): the Q4_1 blocks repacked,
+                 int8 activations per block of 32, one call for all rows (Q4_1 shapes only)
   block_int8     airserve's block kernels, int8 activations per block of 32, 16 rows a call
   block_f32      airserve's block kernels, float32 activations, 16 rows a call
 
@@ -52,7 +54,7 @@ SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 30
 LM_HEAD_MAX_ROWS = 256
 CANDIDATES = ("f32", "f32_onednn", "bf16", "f32_bf16w", "fp16w", "float16_weights", "int8pack",
               "fbgemm_int8", "onednn_int8", "w8a8_int8", "w8a8_int8_outliers", "torchao_int8",
-              "block_int8", "block_f32")
+              "int8_blocks", "block_int8", "block_f32")
 
 
 def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +125,13 @@ def _onednn_hint(w: torch.Tensor, hint: int) -> Callable | None:
     return lambda x: torch.ops.airserve.onednn_linear(x, packed.handle)
 
 
+def _int8_blocks(packed) -> Callable:
+    from airserve.srt.layers.quant.matmul_paths import gemm_int8_blocks, pack_int8_blocks
+
+    w = pack_int8_blocks(packed.values(), packed.d, packed.m)
+    return lambda x: gemm_int8_blocks(x, w)
+
+
 def _blocks(packed, activations: str) -> Callable:
     from airserve.srt.layers.quant.block_matvec import MAX_ROWS, packed_linear
 
@@ -156,6 +165,8 @@ def build(k: int, n: int, names: list[str]) -> tuple[torch.Tensor, dict[str, Cal
         "w8a8_int8_outliers": (_airserve_path(w, "w8a8_int8_outliers")
                                if "w8a8_int8_outliers" in names else None),
         "torchao_int8": _torchao_linear(w) if "torchao_int8" in names else None,
+        "int8_blocks": (_int8_blocks(packed)
+                        if "int8_blocks" in names and packed.kind == "q4_1" else None),
         "block_int8": _blocks(packed, "int8"),
         "block_f32": _blocks(packed, "float32"),
     }

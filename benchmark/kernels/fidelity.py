@@ -357,6 +357,48 @@ def check_paths(paths: list[str], n_tokens: int, seq_len: int,
             "passed": {r["path"]: r["passed"] for r in rows}}
 
 
+LARGE_DECODE_LIMIT = 8  # the packed limit of the large-decode check (the CPU default)
+
+
+def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
+    """int8_blocks in decode batches above the packed limit: the text decoded teacher-forced,
+    `batch` (> LARGE_DECODE_LIMIT) sequences side by side, so every step's products take the
+    large path; float32 is the reference, then float16_weights alone, then float16_weights with
+    int8_blocks in the Q4_1 layers of each "ROLE/ROLE" set (Linear.set_large_decode_int8)."""
+    from airserve.srt.layers.linear import Linear
+    from airserve.srt.model_executor.model_runner import ModelRunner
+    from airserve.srt.model_loader.loader import load_model, set_large_path
+    from airserve.srt.server_args import ServerArgs
+
+    if batch <= LARGE_DECODE_LIMIT:
+        raise SystemExit(f"--batch {batch}: the large-decode check needs more rows than the "
+                         f"packed limit ({LARGE_DECODE_LIMIT})")
+    _, tokens = default_tokens(n_tokens)
+    seqs = split(tokens, batch)
+    args = ServerArgs(max_total_tokens=batch * (len(seqs[0]) + 8), max_running_requests=batch,
+                      packed_decode_max_bs=LARGE_DECODE_LIMIT)
+    cfg, model = load_model(None, "float32", "cpu", None, LARGE_DECODE_LIMIT, False, "auto")
+    runner = ModelRunner(args, model_config=cfg, model=model)
+    ref = teacher_forced(runner, seqs)
+    set_large_path(model, "float16_weights")
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    rows = []
+    for roles in ["", *role_sets]:
+        names = set(roles.split("/")) if roles else set()
+        for m in layers:
+            on = m.packed_role in names and m.takes_int8_blocks("int8", "float16_weights")
+            if on or m.large_decode_int8:
+                m.set_large_decode_int8(on)
+        rows.append({"int8_roles": roles or "-", "matmul_path": "float16_weights",
+                     "int8_layers": sum(m.large_decode_int8 for m in layers),
+                     **compare(ref, teacher_forced(runner, seqs))})
+        print(f"int8 in {roles or 'no layer'}: top-1 {rows[-1]['top1_agreement']:.2%}",
+              flush=True)
+    return {"rows": rows, "batch": batch, "packed_limit": LARGE_DECODE_LIMIT,
+            "min_agreement": MIN_AGREEMENT, "max_ppl_change": MAX_PPL_CHANGE,
+            "passed": all(r["passed"] for r in rows)}
+
+
 def check_kv(kv_dtypes: list[str], n_tokens: int, batch: int) -> dict:
     """The KV cache dtypes' check (module docstring) on the default model over `n_tokens` of
     the packaged text, decoded teacher-forced `batch` sequences side by side."""
@@ -476,6 +518,10 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=None,
                    choices=("bfloat16", "float16_weights", "w8a8_int8", "w8a8_int8_outliers"),
                    help="check these prefill / large-batch matmul paths instead")
+    p.add_argument("--large-decode-int8-roles", nargs="+", default=None,
+                   help="check int8_blocks in decode batches above the packed limit instead: "
+                        "one configuration per ROLE[/ROLE...] (e.g. gate_up_proj/down_proj), "
+                        "--batch rows a step (above the limit of 8)")
     p.add_argument("--int8-outlier-channels", type=int, default=None,
                    help="w8a8_int8_outliers: float32 input channels per layer (default: the "
                         "server's)")
@@ -493,6 +539,11 @@ def main() -> None:
                                      ("matmuls", "matmul_path", 9)])
         _write(a.json, report)
         raise SystemExit(0 if report["passed"] else 1)
+    if a.large_decode_int8_roles:
+        report = check_large_decode(a.large_decode_int8_roles, a.tokens, a.batch)
+        print_compare_table(report, [("int8 layers", "int8_roles", 24)])
+        _write(a.json, report)
+        raise SystemExit(0 if all(r["passed"] for r in report["rows"]) else 1)
     if a.paths:
         report = check_paths(a.paths, a.tokens, a.seq_len, a.int8_outlier_channels)
         print_compare_table(report, [("path", "path", 18)], seconds=True)

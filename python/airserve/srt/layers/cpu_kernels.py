@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("block_matvec.cpp", "block_int8.cpp", "block_int16.cpp", "block_int16_k.cpp",
            "decode_attention.cpp", "packed_or_large.cpp", "activation.cpp", "logits.cpp",
-           "norm_rope.cpp")
+           "norm_rope.cpp", "block_int8_gemm.cpp")
 # Included by the sources: part of the build name, with the sources.
 HEADERS = ("block_unpack.h", "block_int8_rows.inc", "block_int8_pairs.inc", "block_int8_q5.inc",
            "block_int8_avx2.inc", "block_f32.h", "block_f32_rows.inc", "block_f32_q5.inc",
            "block_f32_k.inc", "decode_attention_avx2.inc", "decode_attention_avx512.inc",
            "decode_attention_simd.inc", "prefill_attention_simd.inc", "isa_select.h",
-           "avx2_common.inc", "cpu_common.h", "prefetch_column.inc", "int16_rows.h")
+           "avx2_common.inc", "cpu_common.h", "prefetch_column.inc", "int16_rows.h",
+           "int8_quantize.h")
 # torch's build lock: a build killed midway leaves it behind, and every later start would wait
 # on it forever. A real build of these sources takes well under this many seconds (2-6
 # minutes on a busy 2-core machine: a shorter limit would start a second build in the same

@@ -1,17 +1,19 @@
 """The linear layer of the models: nn.Linear, plus an optional block-quantized copy of its weight
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
-use (`quant.matmul_paths`: float32, bfloat16, w8a8_int8 or w8a8_int8_outliers; float32 by
-oneDNN over a reordered weight or by sgemm over the plain one). `Linear.path_for(rows, decode)`
+use (`quant.matmul_paths`: float32, bfloat16, float16_weights, w8a8_int8 or
+w8a8_int8_outliers, or the layer's own int8_blocks; float32 by oneDNN over a reordered weight or
+by sgemm over the plain one). `Linear.path_for(rows, decode)`
 is the one place that decides which product an input of `rows` rows takes.
 
 The packed products take the layer's `packed_activations` (int8 or float32) only for decode
 rows (`forward(x, decode=True)`: one new token per sequence); extend rows (a prefill, a chunk, a
 cached prompt's short tail, and every row of a mixed prefill + decode step, which share one
 product) always multiply with float32 activations, the same arithmetic as the dequantized
-float32 matmul that long extends take. Under a large path other than float32 (bf16 or int8
-products) a short extend takes that path too, whatever its row count. Either way a prompt's
-first output token does not depend on how much of the prompt was cached or how it was
-chunked."""
+float32 matmul that long extends take. Under a large path other than float32 (bf16, float16
+weights or int8 products) a short extend takes that path too, whatever its row count. Either
+way a prompt's first output token does not depend on how much of the prompt was cached or how
+it was chunked. A Q4_1 layer may also take int8_blocks for its decode batches above the packed
+limit (`set_large_decode_int8`), never for extends."""
 
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ from airserve.srt.layers.quant.block_matvec import (
     resolve_activations,
 )
 from airserve.srt.layers.quant.matmul_paths import (
+    AUTO_LARGE_INT8_ROLES,
     FLOAT32_IMPLS,
     INT8_PATHS,
+    LARGE_ACTIVATIONS,
     PATHS,
     Bf16Weight,
     Float32Weight,
@@ -40,11 +44,13 @@ from airserve.srt.layers.quant.matmul_paths import (
     Int8Weight,
     bf16_linear,
     fp16_weight_linear,
+    gemm_int8_blocks,
     onednn_linear,
     pack_bf16,
     pack_float32,
     pack_fp16,
     pack_int8,
+    pack_int8_blocks,
     w8a8_linear,
 )
 from airserve.srt.layers.quant.packed_or_large import packed_or_large
@@ -76,6 +82,9 @@ class Linear(nn.Linear):
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
     weight_bf16: Bf16Weight | None = None  # bfloat16's weight (oneDNN-reordered bf16)
     weight_fp16: Fp16Weight | None = None  # float16_weights' weight (fbgemm-packed float16)
+    # Decode batches above packed_max_rows multiply through int8_blocks (`set_large_decode_int8`,
+    # its weight the buffer `weight_int8_blocks`) instead of the large path; extends do not.
+    large_decode_int8: bool = False
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -207,7 +216,9 @@ class Linear(nn.Linear):
         token is computed alike in a long prefill and in a short cached tail."""
         if not self.packed_for_extends and not decode:
             return self.large_path
-        return "packed" if 0 < rows <= self.packed_max_rows else self.large_path
+        if 0 < rows <= self.packed_max_rows:
+            return "packed"
+        return "int8_blocks" if decode and self.large_decode_int8 else self.large_path
 
     @property
     def packed_for_extends(self) -> bool:
@@ -224,9 +235,44 @@ class Linear(nn.Linear):
             return self.weight_bf16.nbytes
         if path == "float16_weights":
             return self.weight_fp16.nbytes
+        if path == "int8_blocks":
+            return self.weight_int8_blocks.numel()
         if path in INT8_PATHS:
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
+
+    def set_large_decode_int8(self, on: bool = True) -> None:
+        """Make decode batches above the packed limit multiply through int8_blocks (the Q4_1
+        blocks repacked, int8 activations per block of 32), or the large path again. Extend
+        rows keep the large path: int8 in the prefill of the gate/up projections alone turned
+        the default model's chat answer "The capital of France is Paris." into "L'Étoile, la
+        Marseillaise, ..." (its first token), as bf16 in every layer had."""
+        blocks = None
+        if on:
+            if self.packed_kinds != ("q4_1",) or self.out_features % 16:
+                raise ValueError("int8_blocks multiplies Q4_1 blocks (Q4_0 files too) of a layer "
+                                 "with a multiple of 16 outputs; this layer has "
+                                 f"{self.packed_kind or 'no blocks'}, {self.out_features} outputs")
+            packed = self.packed
+            blocks = pack_int8_blocks(packed.values(), packed.d, packed.m)
+        self.register_buffer("weight_int8_blocks", blocks, persistent=False)
+        self.large_decode_int8 = on
+
+    def takes_int8_blocks(self, setting: str, model_path: str) -> bool:
+        """Whether this layer's decode batches above its packed limit take int8_blocks under
+        --cpu-large-decode-activations `setting` (LARGE_ACTIVATIONS) when the model's large path
+        is `model_path`: "int8" in every layer of Q4_1 blocks (Q4_0 files too) that has the
+        packed kernels and a multiple of 16 outputs, "float" in none, "auto" in those of them
+        whose role AUTO_LARGE_INT8_ROLES names (gate/up, down) beside float16_weights, the one
+        path it was measured against (path_choice says why)."""
+        if setting not in LARGE_ACTIVATIONS:
+            raise ValueError(f"cpu_large_decode_activations={setting!r}: choose one of "
+                             f"{', '.join(LARGE_ACTIVATIONS)}")
+        if (setting == "float" or self.packed_kinds != ("q4_1",) or not self.packed_max_rows
+                or self.out_features % 16):
+            return False
+        return setting == "int8" or (model_path == "float16_weights"
+                                     and self.packed_role in AUTO_LARGE_INT8_ROLES)
 
     def activations_for(self, kind: str, decode: bool) -> str:
         """The activations ("float32", "int8" or "int16") of the packed product of a `kind`
@@ -262,6 +308,8 @@ class Linear(nn.Linear):
             out = w8a8_linear(x.contiguous(), self.weight_int8.handle).to(x.dtype)
         elif path == "float16_weights":
             out = fp16_weight_linear(x.contiguous(), self.weight_fp16).to(x.dtype)
+        elif path == "int8_blocks":
+            out = gemm_int8_blocks(x.contiguous(), self.weight_int8_blocks)
         elif self.weight_onednn is not None:
             out = onednn_linear(x.contiguous(), self.weight_onednn.handle)
         elif self.weight is None:
@@ -341,7 +389,9 @@ def packed_report(layers: list[Linear]) -> dict:
     if {"auto", "int16"} & set(activations):  # what each kind's products use for decode rows
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
     if packed:
-        report["activations_rule"] = activations_rule(resolved)
+        large_int8 = {_activations_label(kind, m.packed_role) for m in packed
+                      if m.large_decode_int8 for kind in m.packed_kinds}
+        report["activations_rule"] = activations_rule(resolved, large_int8)
     activations = {a for _, a in resolved} | ({"float32"} if packed else set())  # extends
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
@@ -358,9 +408,11 @@ def _activations_label(kind: str, role: str) -> str:
     return f"{kind}:{role}" if role and kind in AUTO_INT8_ROLES else kind
 
 
-def activations_rule(resolved: set[tuple[str, str]]) -> str:
-    """The rule in words, from (kind, decode activations) pairs, e.g. "decode rows: int8 for
-    q4_1, float32 for q8_0; extend rows: float32"."""
+def activations_rule(resolved: set[tuple[str, str]], large_int8: set[str] = frozenset()
+                     ) -> str:
+    """The rule in words, from (kind, decode activations) pairs and the kinds (labelled as in
+    the pairs) whose layers multiply decode batches above the packed limit through
+    int8_blocks, e.g. "decode rows: int8 for q4_1, float32 for q8_0; extend rows: float32"."""
     by_act: dict[str, list[str]] = {}
     for kind, act in sorted(resolved):
         by_act.setdefault(act, []).append(kind)
@@ -370,6 +422,9 @@ def activations_rule(resolved: set[tuple[str, str]]) -> str:
         from airserve.srt.layers.quant.block_matvec import INT16_MAX_ROWS
 
         decode += f" (int16 up to {INT16_MAX_ROWS} rows, float32 above)"
+    if large_int8:  # int8_blocks: Linear.set_large_decode_int8
+        decode += (f"; decode batches above the packed limit: int8 for "
+                   f"{'/'.join(sorted(large_int8))}, float32 for the rest")
     return f"decode rows: {decode}; extend rows: float32"
 
 
@@ -390,6 +445,9 @@ def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> 
     if residual:
         ranges[-1]["bf16_residual_channels"] = dict(sorted(
             {n.rsplit(".", 1)[-1] or "layers": k for n, k in residual}.items()))
+    int8_decode = sum(m.large_decode_int8 for m in layers)
+    if int8_decode:  # decode batches of these layers take int8_blocks (set_large_decode_int8)
+        ranges[-1]["int8_blocks_decode_layers"] = int8_decode
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
         ranges[-1]["float32_impl"] = dict(sorted(impls.items()))

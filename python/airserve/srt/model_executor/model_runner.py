@@ -75,7 +75,8 @@ class ModelRunner:
                                              args.cpu_decode_activations, tp=self.tp,
                                              large_path=args.resolved_large_path,
                                              float32_matmul=args.resolved_float32_matmul,
-                                             int8_outlier_channels=args.int8_outlier_channels)
+                                             int8_outlier_channels=args.int8_outlier_channels,
+                                             large_activations=args.cpu_large_decode_activations)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype

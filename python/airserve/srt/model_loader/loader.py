@@ -78,6 +78,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
                large_path: str = "float32",
                float32_matmul: str = "sgemm",
                int8_outlier_channels: int | None = None,
+               large_activations: str = "float",
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model (this rank's shard of it under tensor parallelism) and load its weights.
     A GGUF's block-quantized linear weights are also kept as blocks (cpu only) when
@@ -98,7 +99,9 @@ def load_model(model_path: str | None, dtype: str, device: str,
     (matmul_paths.FLOAT32_IMPLS; beside it for a tied lm_head, whose plain weight the
     embedding reads). w8a8_int8_outliers first finds each layer's `int8_outlier_channels`
     (None: matmul_paths.DEFAULT_OUTLIER_CHANNELS) outlier input channels by a calibration
-    prefill (quant.int8_calibration)."""
+    prefill (quant.int8_calibration). `large_activations` (--cpu-large-decode-activations) gives
+    the decode batches of some Q4_1 layers int8_blocks instead (`Linear.takes_int8_blocks`).
+    """
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
     if path.endswith(".gguf"):
@@ -129,14 +132,14 @@ def load_model(model_path: str | None, dtype: str, device: str,
         blocks_only = attach_packed(model, gguf, max_rows, decode_activations, types, drop_all)
     model.load_weights(gguf.tensors(skip=blocks_only) if gguf else iter_weights(path))
     model.eval().requires_grad_(False)
-    if large_path != "float32" or float32_matmul != "sgemm":
+    if large_path != "float32" or float32_matmul != "sgemm" or large_activations == "int8":
         outliers = None
         if large_path in ("w8a8_int8_outliers", "bfloat16"):
             from airserve.srt.tokenizer import get_tokenizer
 
             outliers = large_path_outliers(model, get_tokenizer(path), large_path,
                                            int8_outlier_channels)
-        set_large_path(model, large_path, float32_matmul, outliers)
+        set_large_path(model, large_path, float32_matmul, outliers, large_activations)
         if model.enable_logit_refinement():
             logger.info("bf16 lm_head: each row's top logits are recomputed in float32")
     logger.info("loaded %s (%s, %d layers) as %s on %s%s", path, cfg.model_type,
@@ -195,11 +198,13 @@ def large_path_outliers(model: torch.nn.Module, tokenizer: object, path: str,
 
 
 def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm",
-                   outliers: dict[str, torch.Tensor] | None = None) -> int:
+                   outliers: dict[str, torch.Tensor] | None = None,
+                   large_activations: str = "float") -> int:
     """Give every linear layer the weight form of `path` (float32: by `float32_impl`) for
-    inputs above the packed limit; a weight shared with an embedding (tied lm_head) stays for
-    the lookups. `outliers`: each layer's float32 input channels by module name
-    (w8a8_int8_outliers). Returns how many layers changed."""
+    inputs above the packed limit, and int8_blocks' for its decode batches there where
+    `large_activations` gives it the layer (`Linear.takes_int8_blocks`); a weight shared with an
+    embedding (tied lm_head) stays for the lookups. `outliers`: each layer's float32 input
+    channels by module name (w8a8_int8_outliers). Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding
     from airserve.srt.layers.linear import Linear
     from airserve.srt.layers.quant.matmul_paths import prepack_fp16_many
@@ -218,7 +223,15 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
         layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
                              outliers=(outliers or {}).get(name), fp16_prepacked=fp16.get(name))
     residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
-    logger.info("linear layers multiply inputs above the packed limit through %s%s%s", path,
+    int8 = []
+    for name, layer in layers:
+        if layer.takes_int8_blocks(large_activations, path):
+            layer.set_large_decode_int8(True)
+            int8.append(name.rsplit(".", 1)[-1])
+    int8 = sorted(set(int8))
+    logger.info("linear layers multiply inputs above the packed limit through %s%s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",
-                f" ({', '.join(residual)} with float32 residual channels)" if residual else "")
+                f" ({', '.join(residual)} with float32 residual channels)" if residual else "",
+                f"; decode batches of {', '.join(int8)} through int8_blocks (int8 activations)"
+                if int8 else "")
     return len(layers)

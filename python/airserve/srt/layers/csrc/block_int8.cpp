@@ -27,6 +27,7 @@
 #endif
 
 #include "block_f32.h"
+#include "int8_quantize.h"
 #include "isa_select.h"
 #include "block_unpack.h"
 
@@ -332,6 +333,13 @@ std::string set_int8_isa(const std::string& name) {
 }
 
 }  // namespace
+
+bool airserve_int8::quantize(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd,
+                             float* xs) {
+  const int isa = current_isa();
+  isa_quantize(isa)(x, M, K, xq, xd, xs);
+  return std::string(kIsaNames[isa]) == "scalar";
+}
 
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("block_matmul_int8", &block_matmul_int8);

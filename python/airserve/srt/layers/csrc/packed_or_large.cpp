@@ -202,6 +202,12 @@ at::Tensor large(const at::Tensor& x, const std::string& path, int64_t handle,
   }
   TORCH_CHECK(weight.has_value(), "airserve::packed_or_large: path '", path,
               "' needs the weight");
+  if (path == "int8_blocks") {  // the weight from pack_int8_blocks (block_int8_gemm.cpp)
+    static const auto op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("airserve::gemm_int8_blocks", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+    return op.call(x, *weight);
+  }
   TORCH_CHECK(path == "sgemm", "airserve::packed_or_large: unknown large path '", path, "'");
   return at::linear(x, *weight);
 }
@@ -240,7 +246,8 @@ const std::vector<std::string>& code_names(const std::string& field) {
   static const std::vector<std::string> kinds{"q4_1", "q8_0", "q5_0", "q5_1",
                                               "q4_k", "q5_k", "q6_k"};
   static const std::vector<std::string> activations{"float32", "int8", "int16"};
-  static const std::vector<std::string> paths{"sgemm", "onednn", "bf16", "int8", "fp16"};
+  static const std::vector<std::string> paths{"sgemm", "onednn", "bf16", "int8", "fp16",
+                                              "int8_blocks"};
   static const std::vector<std::string> int16_rows{std::to_string(kInt16MaxRows)};
   if (field == "kind") return kinds;
   if (field == "int16_max_rows") return int16_rows;

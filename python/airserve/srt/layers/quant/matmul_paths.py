@@ -28,6 +28,14 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              with 7-bit weights (fbgemm without reduce_range), which measured closer to
              float32 than w8a8_int8's 7-bit activations with 8-bit weights.
 
+Beside its large path a Q4_1 layer may hold a second form for its decode batches only:
+
+  int8_blocks  the layer's Q4_1 blocks repacked (`pack_int8_blocks`) and activations quantized
+             to int8 per block of 32, as the packed decode products' int8 (same quantizer, same
+             integer sums), multiplied by maddubs tiles (csrc/block_int8_gemm.cpp). The loader
+             gives it to some Q4_1 layers (--cpu-large-decode-activations; under auto the
+             AUTO_LARGE_INT8_ROLES beside float16_weights: `Linear.set_large_decode_int8`).
+
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).
 
@@ -51,6 +59,7 @@ import torch.nn.functional as F
 
 # What each path is and how flags choose one, without torch (the HTTP process checks the flags).
 from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
+    AUTO_LARGE_INT8_ROLES,
     BF16_FLAGS,
     BF16_RESIDUAL_CHANNELS,
     BF16_RESIDUAL_LAYERS,
@@ -59,6 +68,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     FIDELITY,
     FLOAT32_IMPLS,
     INT8_PATHS,
+    LARGE_ACTIVATIONS,
     PATHS,
     QUANTIZATIONS,
     auto_eligible,
@@ -270,6 +280,45 @@ def fp16_weight_linear(x: torch.Tensor, weight: Fp16Weight) -> torch.Tensor:
     if weight.in_cpp:
         return torch.ops.airserve.fp16_weight_linear_cpp(x, weight.handle)
     return torch.ops.airserve.fp16_weight_linear(x, weight.handle)
+
+
+# int8_blocks: x float32 [M, K] times the repacked weight, csrc/block_int8.cpp.
+_lib.define("gemm_int8_blocks(Tensor x, Tensor w) -> Tensor")
+INT8_TILE_BYTES = 640  # one tile: 16 output columns by one block of 32 inputs (kGemmTileBytes)
+
+
+@torch.library.register_fake("airserve::gemm_int8_blocks")
+def _gemm_int8_blocks_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0] * 16)
+
+
+def pack_int8_blocks(values: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int8_blocks' weight from Q4_1 blocks: `values` uint8 [N, K/32, 32] (0..15, in K order;
+    `PackedWeight.values()`), `d` and `m` [N, K/32] (value = d * q + m). Returns uint8
+    [N/16, K/32, 640]: per 16 output columns and block, each half of 8 columns as 8 quads of
+    32 bytes (column c's values 4p..4p+3 at byte 4c of quad p), then d and m as float32 [16]
+    each (csrc/block_int8_gemm.inc). Raises ValueError for N not a multiple of 16 or values
+    above 15 (the int16 sums of the kernel are sized for 4 bits)."""
+    n, nb, block = values.shape
+    if block != 32 or n % 16 or tuple(d.shape) != (n, nb) or tuple(m.shape) != (n, nb):
+        raise ValueError(f"int8_blocks needs values [N, K/32, 32] with N a multiple of 16 and "
+                         f"d, m [N, K/32]; got {tuple(values.shape)}, {tuple(d.shape)}, "
+                         f"{tuple(m.shape)}")
+    if values.dtype != torch.uint8 or (n and int(values.max()) > 15):
+        raise ValueError("int8_blocks multiplies 4-bit values (uint8, 0..15): Q4_1 blocks")
+    g = n // 16
+    q = (values.view(g, 2, 8, nb, 8, 4)  # [group, half, column, block, quad, 4 values]
+         .permute(0, 3, 1, 4, 2, 5).reshape(g, nb, 512))
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(g, 16, nb).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([q, scales(d), scales(m)], dim=-1).contiguous()
+
+
+def gemm_int8_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] through int8_blocks' weight `w`."""
+    return torch.ops.airserve.gemm_int8_blocks(x, w)
 
 
 def w8a8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ _lib.define("packed_or_large(Tensor x, int max_rows, str kinds, str activations,
 _lib.define("packed_or_large_1(Tensor x, int max_rows, int kind, int activations, Tensor qs, "
             "Tensor? d, Tensor? m, int path, int handle, Tensor? weight) -> Tensor")
 ACTIVATIONS = ("float32", "int8", "int16")
-LARGE_PATHS = ("sgemm", "onednn", "bf16", "int8", "fp16")
+LARGE_PATHS = ("sgemm", "onednn", "bf16", "int8", "fp16", "int8_blocks")
 
 
 @torch.library.register_fake("airserve::packed_or_large_1")
@@ -50,9 +50,13 @@ def _packed_or_large_fake(x, max_rows, kinds, activations, qs, d, m, path, handl
     return x.new_empty(x.shape[0], sum(q.shape[0] for q in qs))
 
 
-def large_path_args(layer: Linear) -> tuple[str, int, torch.Tensor | None] | None:
+def large_path_args(layer: Linear, decode: bool = False
+                    ) -> tuple[str, int, torch.Tensor | None] | None:
     """The large path of `layer` as the operator takes it (path, handle, weight), or None if it
-    cannot: a layer whose large path dequantizes its blocks a chunk at a time."""
+    cannot: a layer whose large path dequantizes its blocks a chunk at a time. Decode rows of a
+    layer with `large_decode_int8` take int8_blocks (its weight a tensor the graph passes)."""
+    if decode and layer.large_decode_int8:
+        return "int8_blocks", -1, layer.weight_int8_blocks
     if layer.large_path == "bfloat16":
         return "bf16", layer.weight_bf16.handle, None
     if layer.large_path in INT8_PATHS:
@@ -72,7 +76,7 @@ def packed_or_large(layer: Linear, x: torch.Tensor, decode: bool) -> torch.Tenso
     at a time): the caller then decides at trace time (a guard on the size)."""
     # Runs while dynamo traces (which cannot trace a logging call): the graph runner's report
     # counts the graphs such layers add (`graphs_compiled`).
-    large = large_path_args(layer)
+    large = large_path_args(layer, decode)
     if large is None:
         return None
     # Extend rows under a bf16 or int8 large path take it whatever their count (path_for).

@@ -95,8 +95,9 @@ def weight_handles(roots: dict[str, object]) -> dict[str, int]:
 
 
 def layer_forms(roots: dict[str, object]) -> dict[str, list]:
-    """How each linear layer multiplies, by module name: its large path, its packed row limit
-    and each packed kind's decode activations. A traced graph bakes these in as code (the
+    """How each linear layer multiplies, by module name: its large path, its packed row limit,
+    each packed kind's decode activations and whether its large decode batches take
+    int8_blocks. A traced graph bakes these in as code (the
     operators' integer codes), and they can change while every flag stays the same: `auto`
     resolves the activations by rules (block_matvec.AUTO_INT8_ROLES) that another airserve
     build may draw otherwise."""
@@ -109,7 +110,8 @@ def layer_forms(roots: dict[str, object]) -> dict[str, list]:
                 if isinstance(m, Linear):
                     forms[f"{prefix}.{name}"] = [
                         m.large_path, m.packed_max_rows,
-                        [[k, m.activations_for(k, True)] for k in m.packed_kinds]]
+                        [[k, m.activations_for(k, True)] for k in m.packed_kinds],
+                        m.large_decode_int8]
     return forms
 
 
