@@ -24,7 +24,7 @@ so a busy machine slows all alike), medians reported:
   w8a8_int8_outliers  airserve's --quantization w8a8_int8_outliers: w8a8_int8 with 16 input
                  channels (evenly spaced here; calibrated in the server) multiplied in float32
   torchao_int8   torchao Int8DynamicActivationInt8WeightConfig (per-token int8), eager
-  int8_blocks    airserve's int8_blocks (--cpu-large-decode-activations): the Q4_1 blocks repacked,
+  int8_blocks    airserve's int8_blocks (--cpu-large-activations): the Q4_1 blocks repacked,
                  int8 activations per block of 32, one call for all rows (Q4_1 shapes only)
   block_int8     airserve's block kernels, int8 activations per block of 32, 16 rows a call
   block_f32      airserve's block kernels, float32 activations, 16 rows a call

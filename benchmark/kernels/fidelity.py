@@ -364,7 +364,7 @@ def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
     """int8_blocks in decode batches above the packed limit: the text decoded teacher-forced,
     `batch` (> LARGE_DECODE_LIMIT) sequences side by side, so every step's products take the
     large path; float32 is the reference, then float16_weights alone, then float16_weights with
-    int8_blocks in the Q4_1 layers of each "ROLE/ROLE" set (Linear.set_large_decode_int8)."""
+    int8_blocks in the Q4_1 layers of each "ROLE/ROLE" set (Linear.set_large_int8)."""
     from airserve.srt.layers.linear import Linear
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.model_loader.loader import load_model, set_large_path
@@ -387,10 +387,10 @@ def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
         names = set(roles.split("/")) if roles else set()
         for m in layers:
             on = m.packed_role in names and m.takes_int8_blocks("int8", "float16_weights")
-            if on or m.large_decode_int8:
-                m.set_large_decode_int8(on)
+            if on or m.large_int8:
+                m.set_large_int8(on)
         rows.append({"int8_roles": roles or "-", "matmul_path": "float16_weights",
-                     "int8_layers": sum(m.large_decode_int8 for m in layers),
+                     "int8_layers": sum(m.large_int8 for m in layers),
                      **compare(ref, teacher_forced(runner, seqs))})
         print(f"int8 in {roles or 'no layer'}: top-1 {rows[-1]['top1_agreement']:.2%}",
               flush=True)

@@ -69,9 +69,9 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "kv-int8": {"kv_cache_dtype": "int8"},
     # Nor these: the activations of Q4_1 layers above the packed limit (default auto: int8 in
     # the gate/up projections beside float16_weights; matmul_paths' int8_blocks).
-    "large-float": {"cpu_large_decode_activations": "float"},
-    "large-int8": {"cpu_large_decode_activations": "int8"},
-    "large-auto": {"cpu_large_decode_activations": "auto"},
+    "large-float": {"cpu_large_activations": "float"},
+    "large-int8": {"cpu_large_activations": "int8"},
+    "large-auto": {"cpu_large_activations": "auto"},
     # Nor this: KV pages of 16 slots (cpu default 1), so a request's decode tokens sit together.
     "page16": {"page_size": 16},
 }

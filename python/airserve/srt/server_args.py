@@ -126,20 +126,23 @@ class ServerArgs:
     # +0.17% on the default file, 1.5x the float32 product on that EPYC; Q4_K_M 98.39%). See
     # block_matvec.AUTO_INT8_KINDS / AUTO_INT8_ROLES / AUTO_INT16_KINDS;
     # test/srt/layers/test_fidelity.py reruns the check.
-    # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) always take float32
-    # (Linear.forward), so a prompt answers the same whether or not it was cached. Float32 stays
-    # exact: --cpu-decode-activations float32.
+    # Extend rows (prefill, chunks, a prefix-cache hit's tail, mixed steps) take float32 here
+    # (Linear.forward), so a prompt answers the same whether or not it was cached; only
+    # --cpu-large-activations (below) gives some layers int8 for the extend rows whose logits
+    # are not read, each row alone (chunking does not change it). Float32 stays exact:
+    # --dtype float32 --cpu-decode-activations float32.
     cpu_decode_activations: str = "auto"
-    # Activations of decode batches above packed_decode_max_bs in layers of Q4_1 blocks (Q4_0
-    # files too): "int8" gives every such layer int8_blocks there (its blocks repacked, int8
-    # activations per block of 32 as the packed decode products quantize them, integer maddubs
-    # tiles); "float" keeps the large path's own arithmetic (float32, float16 weights or bf16);
-    # "auto" takes int8 in the gate/up and down projections (AUTO_LARGE_INT8_ROLES) where the
-    # large path is float16_weights (AVX2 CPUs without bf16 dot products), the one it was
-    # measured against. Extends (prefill, chunks, cached tails) keep the large path: int8 there
-    # changed the default model's chat answer. Why and the figures: layers/quant/path_choice.py,
-    # above AUTO_LARGE_INT8_ROLES.
-    cpu_large_decode_activations: str = "auto"
+    # Activations of the large products of layers of Q4_1 blocks (Q4_0 files too): decode
+    # batches above packed_decode_max_bs, and extend rows (prefill, chunks, cached tails) but
+    # the rows whose logits are read. "int8" gives every such layer int8_blocks there (its
+    # blocks repacked, int8 activations per block of 32 as the packed decode products quantize
+    # them, integer maddubs tiles); "float" keeps the large path's own arithmetic (float32,
+    # float16 weights or bf16); "auto" takes int8 in the gate/up and down projections
+    # (AUTO_LARGE_INT8_ROLES) where the large path is float16_weights (AVX2 CPUs without bf16
+    # dot products), the one it was measured against. The rows whose logits are read keep the
+    # large path: int8 there changed the default model's chat answer. Why and the figures:
+    # layers/quant/path_choice.py, above AUTO_LARGE_INT8_ROLES.
+    cpu_large_activations: str = "auto"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where
     # torch has it. Same float32 arithmetic; on the default model's decode batch of 64 the
@@ -236,9 +239,9 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
-        if self.cpu_large_decode_activations not in LARGE_ACTIVATIONS:
-            raise ValueError(f"cpu_large_decode_activations="
-                             f"{self.cpu_large_decode_activations!r}: choose one of "
+        if self.cpu_large_activations not in LARGE_ACTIVATIONS:
+            raise ValueError(f"cpu_large_activations="
+                             f"{self.cpu_large_activations!r}: choose one of "
                              f"{', '.join(LARGE_ACTIVATIONS)}")
         if self.cpu_decode_activations not in ("float32", "int8", "int16", "auto"):
             raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
@@ -568,14 +571,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "float32), float32 (exact) or auto (the default: int8 where it passed "
                         "the fidelity check and is faster: Q5_0, and Q4_1 and Q8_0 in the "
                         "gate/up projections; int16 in the other Q4_1 layers and the K-quants); "
-                        "extends (prefill, chunks, cache-hit tails) always use float32")
-    g.add_argument("--cpu-large-decode-activations", choices=LARGE_ACTIVATIONS,
-                   default=d.cpu_large_decode_activations,
-                   help="activations of decode batches above the packed limit in Q4_1 "
-                        "layers: int8 (the layer's blocks with int8 activations per block of "
-                        "32, in every Q4_1 layer), float (the large path's own arithmetic) or "
-                        "auto (the default: int8 in the gate/up and down projections where the "
-                        "large path is float16_weights); prefill keeps the large path")
+                        "extends (prefill, chunks, cache-hit tails) use float32 here (see "
+                        "--cpu-large-activations)")
+    g.add_argument("--cpu-large-activations", choices=LARGE_ACTIVATIONS,
+                   default=d.cpu_large_activations,
+                   help="activations of Q4_1 layers' decode batches above the packed limit "
+                        "and prefill rows (not the rows whose logits are read): int8 (the "
+                        "layer's blocks with int8 activations per block of 32, in every Q4_1 "
+                        "layer), float (the large path's own arithmetic) or auto (the default: "
+                        "int8 in the gate/up and down projections where the large path is "
+                        "float16_weights)")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,
                    help="float32 products of prefill and batches above the packed limit: "

@@ -113,7 +113,7 @@ def test_auto_passes_on_a_q6_k_mix() -> None:
 
 
 def test_int8_blocks_in_the_auto_layers_pass_the_large_decode_check() -> None:
-    """What --cpu-large-decode-activations auto adds beside float16_weights: int8 activations
+    """What --cpu-large-activations auto adds beside float16_weights: int8 activations
     in the gate/up and down projections of decode batches above the packed limit
     (int8_blocks). ~2,000 tokens decoded teacher-forced 16 sequences side by side against
     float32: it must pass, and differ from float16_weights alone (the int8 products are in

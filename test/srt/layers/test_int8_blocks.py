@@ -1,9 +1,10 @@
-"""int8_blocks: a Q4_1 layer's decode batches above the packed limit with int8 activations per
-block of 32 (csrc/block_int8_gemm.cpp). Checked against a float64 reference of the same
-quantization on random shapes (AVX2 tiles and the portable ones; every row remainder of the
-3-row tiles), as the decode product's terms summed in another order, inside Linear and
-packed_or_large (eager and compiled; extends keep the large path), the loader's choice per
-layer (--cpu-large-decode-activations) and its refusals."""
+"""int8_blocks: a Q4_1 layer's decode batches above the packed limit, and its extend rows but
+those whose logits are read, with int8 activations per block of 32 (csrc/block_int8_gemm.cpp).
+Checked against a float64 reference of the same quantization on random shapes (AVX2 tiles and
+the portable ones; every row remainder of the 3-row tiles), as the decode product's terms
+summed in another order, inside Linear (the float rows of an extend on the large path) and
+packed_or_large (eager and compiled), the loader's choice per layer (--cpu-large-activations),
+the report and the refusals."""
 
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def test_linear_takes_it_for_decode_batches_above_the_limit_only() -> None:
     lin = q4_1_layer()
     w = lin.packed
     lin.set_large_path("float32")
-    lin.set_large_decode_int8(True)
+    lin.set_large_int8(True)
     assert lin.weight_bytes(LIMIT + 1) == lin.weight_int8_blocks.numel()
     g = torch.Generator().manual_seed(8)
     for rows in (1, LIMIT, LIMIT + 1, 40):
@@ -163,11 +164,32 @@ def test_linear_takes_it_for_decode_batches_above_the_limit_only() -> None:
             assert lin.path_for(rows) == "int8_blocks"
             int8 = torch.ops.airserve.gemm_int8_blocks(x, lin.weight_int8_blocks)
             assert torch.equal(decode, int8)
-        # Extend rows keep the large path (float32 here) at every count.
+        # Extend rows without float_rows keep the large path (float32 here) at every count.
         assert lin.path_for(rows, decode=False) != "int8_blocks"
         assert torch.allclose(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-4)
-    lin.set_large_decode_int8(False)
+    lin.set_large_int8(False)
     assert lin.path_for(LIMIT + 1) == "float32" and lin.weight_int8_blocks is None
+
+
+def test_extend_rows_take_it_but_the_rows_whose_logits_are_read() -> None:
+    lin = q4_1_layer()
+    lin.set_large_path("float32")
+    x = torch.randn(10, 576, generator=torch.Generator().manual_seed(10))
+    float_rows = torch.tensor([3, 9])
+    plain = lin(x, float_rows=float_rows)  # large_int8 off: every row on the large path
+    assert torch.equal(plain, lin(x))
+    lin.set_large_int8(True)
+    out = lin(x, float_rows=float_rows)
+    int8 = torch.ops.airserve.gemm_int8_blocks(x, lin.weight_int8_blocks)
+    others = [i for i in range(10) if i not in (3, 9)]
+    assert torch.equal(out[others], int8[others])
+    assert torch.equal(out[float_rows], lin(x[float_rows]))  # float32, as without int8
+    assert not torch.allclose(out[others], plain[others], rtol=0, atol=1e-6)
+    # A row's int8 result does not depend on the other rows (chunking, batching).
+    assert torch.equal(lin(x[:4], float_rows=torch.tensor([3]))[:3], out[:3])
+    assert torch.equal(lin(x, float_rows=torch.tensor([], dtype=torch.long)), int8)
+    assert torch.equal(lin(x), plain)  # no float_rows named: the large path for every row
+    assert torch.equal(lin(x, decode=True, float_rows=float_rows), lin(x, decode=True))
 
 
 def test_linear_refuses_other_blocks() -> None:
@@ -175,9 +197,9 @@ def test_linear_refuses_other_blocks() -> None:
     lin = Linear(64, 32, bias=False)
     lin.attach_packed(w, LIMIT, "auto")
     with pytest.raises(ValueError, match="Q4_1"):
-        lin.set_large_decode_int8(True)
+        lin.set_large_int8(True)
     with pytest.raises(ValueError, match="Q4_1"):
-        Linear(64, 32).set_large_decode_int8(True)
+        Linear(64, 32).set_large_int8(True)
 
 
 def test_which_layers_take_it() -> None:
@@ -202,14 +224,14 @@ def test_which_layers_take_it() -> None:
     unpacked = q4_1_layer()
     unpacked.packed_max_rows = 0  # blocks kept for OpenVINO graphs only
     assert not unpacked.takes_int8_blocks("int8", "float16_weights")
-    with pytest.raises(ValueError, match="cpu_large_decode_activations"):
+    with pytest.raises(ValueError, match="cpu_large_activations"):
         gate_up.takes_int8_blocks("int4", "float16_weights")
 
 
 def test_packed_or_large_calls_it_eager_and_compiled() -> None:
     lin = q4_1_layer()
     lin.set_large_path("float32")
-    lin.set_large_decode_int8(True)
+    lin.set_large_int8(True)
     g = torch.Generator().manual_seed(9)
     graphs = []
 
@@ -247,13 +269,13 @@ def test_loader_gives_it_to_the_gate_up_and_down_layers() -> None:
                               decode_activations="auto", large_path="float16_weights",
                               large_activations=setting)
         layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-        int8 = {n.rsplit(".", 1)[-1] for n, m in layers.items() if m.large_decode_int8}
+        int8 = {n.rsplit(".", 1)[-1] for n, m in layers.items() if m.large_int8}
         assert int8 == roles, setting
         assert all(m.large_path == "float16_weights" and m.weight_fp16 is not None
                    for m in layers.values())
         report = matmul_path_report(list(layers.values()))
         assert report[-1]["path"] == "float16_weights"
-        assert report[-1].get("int8_blocks_decode_layers", 0) == 30 * len(roles), setting
+        assert report[-1].get("int8_blocks_layers", 0) == 30 * len(roles), setting
 
 
 def test_report_names_the_int8_decode_batches() -> None:
@@ -262,21 +284,23 @@ def test_report_names_the_int8_decode_batches() -> None:
     gate_up, down = q4_1_layer(role="gate_up_proj"), q4_1_layer(role="down_proj")
     before = packed_report([gate_up, down])["activations_rule"]
     assert before.endswith("; extend rows: float32")
-    gate_up.set_large_decode_int8(True)
+    gate_up.set_large_int8(True)
     rule = packed_report([gate_up, down])["activations_rule"]
-    assert rule == before.replace("; extend rows", "; decode batches above the packed limit: "
-                                  "int8 for q4_1:gate_up_proj, float32 for the rest; extend rows")
+    assert rule == before.replace(
+        "; extend rows: float32", "; decode batches above the packed limit: int8 for "
+        "q4_1:gate_up_proj, float32 for the rest; extend rows: int8 for q4_1:gate_up_proj but "
+        "the rows whose logits are read, float32 for the rest")
 
 
 def test_flag(capsys) -> None:
     from airserve.launch_server import parse_args
     from airserve.srt.server_args import ServerArgs
 
-    assert parse_args([]).cpu_large_decode_activations == "auto"
-    args = parse_args(["--cpu-large-decode-activations", "float"])
-    assert args.cpu_large_decode_activations == "float"
+    assert parse_args([]).cpu_large_activations == "auto"
+    args = parse_args(["--cpu-large-activations", "float"])
+    assert args.cpu_large_activations == "float"
     with pytest.raises(SystemExit):
-        parse_args(["--cpu-large-decode-activations", "int4"])
-    assert "--cpu-large-decode-activations" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="cpu_large_decode_activations"):
-        ServerArgs(cpu_large_decode_activations="int4")
+        parse_args(["--cpu-large-activations", "int4"])
+    assert "--cpu-large-activations" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cpu_large_activations"):
+        ServerArgs(cpu_large_activations="int4")

@@ -12,8 +12,10 @@ product) always multiply with float32 activations, the same arithmetic as the de
 float32 matmul that long extends take. Under a large path other than float32 (bf16, float16
 weights or int8 products) a short extend takes that path too, whatever its row count. Either
 way a prompt's first output token does not depend on how much of the prompt was cached or how
-it was chunked. A Q4_1 layer may also take int8_blocks for its decode batches above the packed
-limit (`set_large_decode_int8`), never for extends."""
+it was chunked. A Q4_1 layer may also take int8_blocks (`set_large_int8`) for its decode
+batches above the packed limit and for the extend rows whose logits are not read (their K/V
+only); the rows whose logits are read keep the large path (`forward`'s `float_rows`), the same
+whatever the chunking or caching."""
 
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class Linear(nn.Linear):
     packed_max_rows: int = 0  # inputs of at most this many rows use the packed weight
     packed_kinds: tuple[str, ...] = ()  # block kind of each segment, in output-row order
     # Activations of the packed products for decode rows ("float32", "int8" or "auto": see
-    # block_matvec.block_matmul); extend rows always use float32.
+    # block_matvec.block_matmul); extend rows use float32 in the packed products.
     packed_activations: str = "float32"
     # The layer's role in its model (the last part of its module name, e.g. "gate_up_proj"):
     # "auto" activations may differ by role (block_matvec.AUTO_INT8_ROLES).
@@ -82,9 +84,10 @@ class Linear(nn.Linear):
     weight_onednn: Float32Weight | None = None  # float32 by oneDNN: replaces `weight`
     weight_bf16: Bf16Weight | None = None  # bfloat16's weight (oneDNN-reordered bf16)
     weight_fp16: Fp16Weight | None = None  # float16_weights' weight (fbgemm-packed float16)
-    # Decode batches above packed_max_rows multiply through int8_blocks (`set_large_decode_int8`,
-    # its weight the buffer `weight_int8_blocks`) instead of the large path; extends do not.
-    large_decode_int8: bool = False
+    # Decode batches above packed_max_rows, and extend rows but the `float_rows` the caller names,
+    # multiply through int8_blocks (`set_large_int8`, its weight the buffer `weight_int8_blocks`)
+    # instead of the large path.
+    large_int8: bool = False
 
     def attach_packed(self, packed: PackedWeight | Sequence[PackedWeight], max_rows: int,
                       activations: str = "float32", drop_weight: bool = False) -> None:
@@ -218,7 +221,7 @@ class Linear(nn.Linear):
             return self.large_path
         if 0 < rows <= self.packed_max_rows:
             return "packed"
-        return "int8_blocks" if decode and self.large_decode_int8 else self.large_path
+        return "int8_blocks" if decode and self.large_int8 else self.large_path
 
     @property
     def packed_for_extends(self) -> bool:
@@ -241,12 +244,14 @@ class Linear(nn.Linear):
             return self.weight_int8.nbytes
         return self.weight.numel() * self.weight.element_size()
 
-    def set_large_decode_int8(self, on: bool = True) -> None:
-        """Make decode batches above the packed limit multiply through int8_blocks (the Q4_1
-        blocks repacked, int8 activations per block of 32), or the large path again. Extend
-        rows keep the large path: int8 in the prefill of the gate/up projections alone turned
-        the default model's chat answer "The capital of France is Paris." into "L'Étoile, la
-        Marseillaise, ..." (its first token), as bf16 in every layer had."""
+    def set_large_int8(self, on: bool = True) -> None:
+        """Make decode batches above the packed limit, and extend rows but those whose logits
+        are read (`forward`'s `float_rows`), multiply through int8_blocks (the Q4_1 blocks
+        repacked, int8 activations per block of 32); or the large path again. The rows whose
+        logits are read stay on the large path: int8 in every prefill row of the gate/up
+        projections turned the default model's chat answer "The capital of France is Paris."
+        into "L'Étoile, la Marseillaise, ..." (its first token), and the last row alone in
+        float32 gave the answer back."""
         blocks = None
         if on:
             if self.packed_kinds != ("q4_1",) or self.out_features % 16:
@@ -256,17 +261,17 @@ class Linear(nn.Linear):
             packed = self.packed
             blocks = pack_int8_blocks(packed.values(), packed.d, packed.m)
         self.register_buffer("weight_int8_blocks", blocks, persistent=False)
-        self.large_decode_int8 = on
+        self.large_int8 = on
 
     def takes_int8_blocks(self, setting: str, model_path: str) -> bool:
         """Whether this layer's decode batches above its packed limit take int8_blocks under
-        --cpu-large-decode-activations `setting` (LARGE_ACTIVATIONS) when the model's large path
+        --cpu-large-activations `setting` (LARGE_ACTIVATIONS) when the model's large path
         is `model_path`: "int8" in every layer of Q4_1 blocks (Q4_0 files too) that has the
         packed kernels and a multiple of 16 outputs, "float" in none, "auto" in those of them
         whose role AUTO_LARGE_INT8_ROLES names (gate/up, down) beside float16_weights, the one
         path it was measured against (path_choice says why)."""
         if setting not in LARGE_ACTIVATIONS:
-            raise ValueError(f"cpu_large_decode_activations={setting!r}: choose one of "
+            raise ValueError(f"cpu_large_activations={setting!r}: choose one of "
                              f"{', '.join(LARGE_ACTIVATIONS)}")
         if (setting == "float" or self.packed_kinds != ("q4_1",) or not self.packed_max_rows
                 or self.out_features % 16):
@@ -282,14 +287,21 @@ class Linear(nn.Linear):
         return resolve_activations(self.packed_activations, kind, self.packed_role)
 
     def forward(self, x: torch.Tensor, decode: bool = False,
-                keep_bf16: bool = False) -> torch.Tensor:
+                keep_bf16: bool = False, float_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x: [..., in_features]. `decode`: x holds decode rows (a ForwardMode.DECODE pass),
         whose packed products use `packed_activations`; otherwise float32 activations. The
         output is float32, except that `keep_bf16` lets the bfloat16 path return its product
-        unwidened (for a consumer that reads bf16, e.g. activation.silu_and_mul)."""
+        unwidened (for a consumer that reads bf16, e.g. activation.silu_and_mul).
+        `float_rows` (extends; int64 row indices): the rows whose logits the pass reads. Under
+        `large_int8` the other rows of an extend multiply through int8_blocks and these through
+        the large path; None keeps every extend row on the large path."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1]), decode,
-                                keep_bf16).reshape(*x.shape[:-1], -1)
+                                keep_bf16, float_rows).reshape(*x.shape[:-1], -1)
+        if (float_rows is not None and not decode and self.large_int8
+                and not torch.compiler.is_compiling()):
+            return self._int8_extend(x.contiguous(), float_rows)
         # `decode` is static inside a compiled graph, the row count may not be (a graph shared
         # by batch sizes): there one operator picks the path per call, as path_for does.
         if self.packed_max_rows and torch.compiler.is_compiling():
@@ -317,6 +329,17 @@ class Linear(nn.Linear):
         else:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
+
+    def _int8_extend(self, x: torch.Tensor, float_rows: torch.Tensor) -> torch.Tensor:
+        """Extend rows through int8_blocks, `float_rows` through the large path (module
+        docstring: the rows whose logits are read). Each int8_blocks row is multiplied alone
+        (its own scales, its own sums), so a row's result does not depend on the others."""
+        out = gemm_int8_blocks(x, self.weight_int8_blocks)
+        if self.bias is not None:
+            out += self.bias
+        if float_rows.numel():
+            out[float_rows] = Linear.forward(self, x[float_rows]).to(out.dtype)
+        return out
 
     def takes_bf16_input(self, rows: int, decode: bool = False) -> bool:
         """Whether `forward_bf16` multiplies `rows` rows as `forward` would: they take the
@@ -390,7 +413,7 @@ def packed_report(layers: list[Linear]) -> dict:
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
     if packed:
         large_int8 = {_activations_label(kind, m.packed_role) for m in packed
-                      if m.large_decode_int8 for kind in m.packed_kinds}
+                      if m.large_int8 for kind in m.packed_kinds}
         report["activations_rule"] = activations_rule(resolved, large_int8)
     activations = {a for _, a in resolved} | ({"float32"} if packed else set())  # extends
     if "int8" in activations:
@@ -422,10 +445,12 @@ def activations_rule(resolved: set[tuple[str, str]], large_int8: set[str] = froz
         from airserve.srt.layers.quant.block_matvec import INT16_MAX_ROWS
 
         decode += f" (int16 up to {INT16_MAX_ROWS} rows, float32 above)"
-    if large_int8:  # int8_blocks: Linear.set_large_decode_int8
-        decode += (f"; decode batches above the packed limit: int8 for "
-                   f"{'/'.join(sorted(large_int8))}, float32 for the rest")
-    return f"decode rows: {decode}; extend rows: float32"
+    if not large_int8:
+        return f"decode rows: {decode}; extend rows: float32"
+    int8 = "/".join(sorted(large_int8))  # int8_blocks: Linear.set_large_int8
+    return (f"decode rows: {decode}; decode batches above the packed limit: int8 for {int8}, "
+            f"float32 for the rest; extend rows: int8 for {int8} but the rows whose logits are "
+            f"read, float32 for the rest")
 
 
 def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> list[dict]:
@@ -445,9 +470,9 @@ def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> 
     if residual:
         ranges[-1]["bf16_residual_channels"] = dict(sorted(
             {n.rsplit(".", 1)[-1] or "layers": k for n, k in residual}.items()))
-    int8_decode = sum(m.large_decode_int8 for m in layers)
-    if int8_decode:  # decode batches of these layers take int8_blocks (set_large_decode_int8)
-        ranges[-1]["int8_blocks_decode_layers"] = int8_decode
+    int8_layers = sum(m.large_int8 for m in layers)
+    if int8_layers:  # these layers take int8_blocks for most of these rows (set_large_int8)
+        ranges[-1]["int8_blocks_layers"] = int8_layers
     if "float32" in large:  # layers per float32 implementation (Linear.float32_impl)
         impls = Counter(m.float32_impl for m in layers if m.large_path == "float32")
         ranges[-1]["float32_impl"] = dict(sorted(impls.items()))

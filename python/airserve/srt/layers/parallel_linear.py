@@ -92,8 +92,9 @@ class RowLinear(Linear):
         (packed,) = parts.values()
         return [packed_cols(packed, self.col0, self.in_features)]
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x, decode))
+    def forward(self, x: torch.Tensor, decode: bool = False,
+                float_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, decode, float_rows=float_rows))
 
     def forward_bf16(self, xb: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward_bf16(xb, err))

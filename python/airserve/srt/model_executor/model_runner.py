@@ -76,7 +76,7 @@ class ModelRunner:
                                              large_path=args.resolved_large_path,
                                              float32_matmul=args.resolved_float32_matmul,
                                              int8_outlier_channels=args.int8_outlier_channels,
-                                             large_activations=args.cpu_large_decode_activations)
+                                             large_activations=args.cpu_large_activations)
         self.model_config = model_config
         self.model = model
         self.dtype = next(model.parameters()).dtype

@@ -99,7 +99,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
     (matmul_paths.FLOAT32_IMPLS; beside it for a tied lm_head, whose plain weight the
     embedding reads). w8a8_int8_outliers first finds each layer's `int8_outlier_channels`
     (None: matmul_paths.DEFAULT_OUTLIER_CHANNELS) outlier input channels by a calibration
-    prefill (quant.int8_calibration). `large_activations` (--cpu-large-decode-activations) gives
+    prefill (quant.int8_calibration). `large_activations` (--cpu-large-activations) gives
     the decode batches of some Q4_1 layers int8_blocks instead (`Linear.takes_int8_blocks`).
     """
     path = resolve_model_path(model_path)
@@ -226,7 +226,7 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     int8 = []
     for name, layer in layers:
         if layer.takes_int8_blocks(large_activations, path):
-            layer.set_large_decode_int8(True)
+            layer.set_large_int8(True)
             int8.append(name.rsplit(".", 1)[-1])
     int8 = sorted(set(int8))
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s%s", path,

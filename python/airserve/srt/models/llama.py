@@ -160,19 +160,34 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inter, cfg.hidden_size, "down_proj", tp=tp)
 
     def forward(self, x: torch.Tensor, decode: bool = False,
-                act_dtype: torch.dtype | None = None) -> torch.Tensor:
+                act_dtype: torch.dtype | None = None,
+                float_rows: torch.Tensor | None = None) -> torch.Tensor:
         """`act_dtype`: the activations' dtype (default x's); float32 activations may arrive
-        as their bf16 rounding (RMSNorm.for_product), which gate/up multiplies in bf16 anyway."""
+        as their bf16 rounding (RMSNorm.for_product), which gate/up multiplies in bf16 anyway.
+        `float_rows`: an extend's rows whose logits are read (Linear.forward)."""
         act_dtype = act_dtype or x.dtype
         # A bf16 product stays bf16 into silu_and_mul (one pass, float32 arithmetic), which
         # hands the down projection activations of the activations' dtype; as bf16, when down
         # multiplies these rows in bf16 too (silu_and_mul_product: the same bits, fewer passes).
-        gate_up = self.gate_up_proj(x, decode, keep_bf16=True)
+        gate_up = self.gate_up_proj(x, decode, keep_bf16=True, float_rows=float_rows)
         if act_dtype == torch.float32:
             out = silu_and_mul_product(gate_up, self.down_proj, decode)
             if out is not None:
                 return out
-        return self.down_proj(silu_and_mul(gate_up, act_dtype), decode)
+        return self.down_proj(silu_and_mul(gate_up, act_dtype), decode, float_rows=float_rows)
+
+
+def logit_rows(fb: ForwardBatch) -> torch.Tensor | None:
+    """The rows of an extend whose logits the forward reads (LlamaForCausalLM.forward), or None
+    when it reads every row or does not say (a calibration pass's batch carries only its
+    attention: quant.int8_calibration)."""
+    rows = getattr(fb, "logit_rows", None)
+    if rows is not None:
+        return rows
+    last = getattr(fb, "last_token_indices", None)
+    if last is not None and not getattr(fb, "return_all_logits", False):
+        return last
+    return None
 
 
 class DecoderLayer(nn.Module):
@@ -188,7 +203,8 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm.for_product(x, self.self_attn.qkv_proj, decode)
         x = x + self.self_attn(h, rotary, fb)
         h = self.post_attention_layernorm.for_product(x, self.mlp.gate_up_proj, decode)
-        return x + self.mlp(h, decode, act_dtype=x.dtype)
+        return x + self.mlp(h, decode, act_dtype=x.dtype,
+                            float_rows=None if decode else logit_rows(fb))
 
 
 class LlamaModel(nn.Module):

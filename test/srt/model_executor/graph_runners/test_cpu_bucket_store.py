@@ -224,7 +224,11 @@ def test_other_decode_activations_make_the_bucket_stale(tmp_path):
     layer.packed_role = "o_proj"
     before = TensorIndex({"model": layer})
     other = block_matvec.resolve_activations("auto", "q4_1", "o_proj")  # int16 or float32
-    assert before.forms == {"model.": ["float32", 4, [["q4_1", other]]]}
+    assert before.forms == {"model.": ["float32", 4, [["q4_1", other]], False]}
+    layer.set_large_int8(True)  # int8_blocks for its large batches: another graph
+    assert TensorIndex({"model": layer}).forms == {"model.": ["float32", 4, [["q4_1", other]],
+                                                            True]}
+    layer.set_large_int8(False)
     store = BucketStore(str(tmp_path), {"test": 1})
     art_path = os.path.join(store.dir, "graph-x.bin")
     with open(art_path, "wb") as f:
@@ -236,7 +240,7 @@ def test_other_decode_activations_make_the_bucket_stale(tmp_path):
         store.load(1, before)
     layer.packed_role = "gate_up_proj"  # auto takes int8 for q4_1 there
     after = TensorIndex({"model": layer})
-    assert after.forms == {"model.": ["float32", 4, [["q4_1", "int8"]]]}
+    assert after.forms == {"model.": ["float32", 4, [["q4_1", "int8"]], False]}
     with pytest.raises(StaleBucket, match="decode activations differ"):
         store.load(1, after)
     layer.packed_role = "o_proj"

@@ -123,7 +123,32 @@ def fp16_runners(tmp_path_factory):
     # auto's int16 graphs with eager.
     return tiny_gguf_runners(str(tmp_path_factory.mktemp("fp16w")), BUCKETS, PACKED_LIMIT,
                              reference=dict(dtype="float32"), quantization="float16_weights",
-                             cpu_decode_activations="float32")
+                             cpu_decode_activations="float32", cpu_large_activations="float")
+
+
+@pytest.fixture(scope="module")
+def int8_blocks_runners(tmp_path_factory):
+    # int8_blocks in every Q4_1 layer (--cpu-large-activations int8) beside float16_weights.
+    return tiny_gguf_runners(str(tmp_path_factory.mktemp("int8b")), BUCKETS, PACKED_LIMIT,
+                             reference=dict(dtype="float32"), quantization="float16_weights",
+                             cpu_decode_activations="float32", cpu_large_activations="int8")
+
+
+@pytest.mark.parametrize("bs", [3, 4])
+def test_int8_blocks_buckets_match_eager_on_the_same_path(int8_blocks_runners, bs):
+    graph, eager, _ = int8_blocks_runners
+    layers = [m for m in graph.model.modules() if isinstance(m, Linear)]
+    int8 = [m for m in layers if m.large_int8]
+    assert int8 and all(m.packed_kinds == ("q4_1",) for m in int8)
+    assert all(m.path_for(bs) == "int8_blocks" for m in int8)
+    te, reqs = replay_matches_eager(graph, eager, bs, ATOL)
+    assert not graph.fallback_counts
+    replays = graph.graph_runner.replay_count
+    ops = ops_run(lambda: reqs[0].decode(te[-1].tolist()))
+    assert graph.graph_runner.replay_count == replays + 1
+    assert "airserve::gemm_int8_blocks" in ops, ops
+    for r in reqs:
+        r.release()
 
 
 @pytest.mark.parametrize("bs", [2, 3, 4])

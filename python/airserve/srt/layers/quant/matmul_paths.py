@@ -28,13 +28,15 @@ on the CPU. A layer holds the weight form of one of these paths (`Linear.set_lar
              with 7-bit weights (fbgemm without reduce_range), which measured closer to
              float32 than w8a8_int8's 7-bit activations with 8-bit weights.
 
-Beside its large path a Q4_1 layer may hold a second form for its decode batches only:
+Beside its large path a Q4_1 layer may hold a second form, for its decode batches above the
+packed limit and the extend rows whose logits are not read:
 
   int8_blocks  the layer's Q4_1 blocks repacked (`pack_int8_blocks`) and activations quantized
              to int8 per block of 32, as the packed decode products' int8 (same quantizer, same
              integer sums), multiplied by maddubs tiles (csrc/block_int8_gemm.cpp). The loader
-             gives it to some Q4_1 layers (--cpu-large-decode-activations; under auto the
-             AUTO_LARGE_INT8_ROLES beside float16_weights: `Linear.set_large_decode_int8`).
+             gives it to some Q4_1 layers (--cpu-large-activations; under auto the
+             AUTO_LARGE_INT8_ROLES beside float16_weights: `Linear.set_large_int8`); an
+             extend's rows whose logits are read stay on the large path.
 
 `choose_large_path` resolves --dtype / --quantization for this CPU; `auto` takes the fastest
 path measured for the CPU whose fidelity passed (`FIDELITY`).

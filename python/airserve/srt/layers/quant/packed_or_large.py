@@ -54,8 +54,8 @@ def large_path_args(layer: Linear, decode: bool = False
                     ) -> tuple[str, int, torch.Tensor | None] | None:
     """The large path of `layer` as the operator takes it (path, handle, weight), or None if it
     cannot: a layer whose large path dequantizes its blocks a chunk at a time. Decode rows of a
-    layer with `large_decode_int8` take int8_blocks (its weight a tensor the graph passes)."""
-    if decode and layer.large_decode_int8:
+    layer with `large_int8` take int8_blocks (its weight a tensor the graph passes)."""
+    if decode and layer.large_int8:
         return "int8_blocks", -1, layer.weight_int8_blocks
     if layer.large_path == "bfloat16":
         return "bf16", layer.weight_bf16.handle, None

@@ -9,23 +9,27 @@ and the flags call them only when they need them.
 from __future__ import annotations
 
 PATHS = ("float32", "bfloat16", "float16_weights", "w8a8_int8", "w8a8_int8_outliers")
-# --cpu-large-decode-activations: which layers' decode batches above the packed limit take
+# --cpu-large-activations: which layers' decode batches above the packed limit take
 # matmul_paths' int8_blocks (ServerArgs says what each value means).
 LARGE_ACTIVATIONS = ("auto", "int8", "float")
-# The Q4_1 layers (by role) whose decode batches above the packed limit
-# --cpu-large-decode-activations auto gives int8_blocks beside float16_weights. 2-core AMD EPYC
-# Zen 3 (AVX2 only). Fidelity, the large-decode check (`fidelity.py --large-decode-int8-roles
-# ... --batch 16`: 1,984 tokens decoded teacher-forced 16 rows a step, against float32; pass at
-# top-1 >= 98% and perplexity within 1%): float16_weights alone 99.80%, + int8 in gate/up
-# 98.29% / +0.20%, gate/up + down 98.19% / +0.12%, + o 97.93% (fails)
-# (benchmark/kernels/results/fidelity_large_decode_int8_amd_epyc_zen3_avx2.json). Extends stay
-# off it: with int8 in every prefill too (the prefill check, `fidelity.py --paths`, passed at
-# 98.85% for gate/up and 99.15% for gate/up + down, all Q4_1 layers 97.89%) the default model's
-# chat answer turned into "L'Étoile, la Marseillaise, ..." with gate/up alone
-# (test_default_model.py). Speed: int8_blocks' product is ~2x float16_weights' at 9-512 rows
-# (bench_matmul_paths.py); W2 with gate/up + down on it in decode batches only served 1.02x /
-# 1.14x float16_weights alone in the two rounds of one run (README, "Prefill and large
-# batches"). The margin over the bar is thin (0.2 points), so only these two roles.
+# The Q4_1 layers (by role) that --cpu-large-activations auto gives int8_blocks beside
+# float16_weights: their decode batches above the packed limit and their extend rows but those
+# whose logits are read. 2-core AMD EPYC Zen 3 (AVX2 only); pass at top-1 >= 98% and perplexity
+# within 1% of float32.
+# - Decode batches, the large-decode check (`fidelity.py --large-decode-int8-roles ... --batch
+#   16`: 1,984 tokens decoded teacher-forced 16 rows a step): float16_weights alone 99.80%,
+#   + int8 in gate/up 98.29% / +0.20%, gate/up + down 98.19% / +0.12%, + o 97.93% (fails)
+#   (benchmark/kernels/results/fidelity_large_decode_int8_amd_epyc_zen3_avx2.json).
+# - Extends, bounded by the prefill check with int8 in every row, the rows whose logits are read
+#   too (`fidelity.py --paths` on a build that allowed it): gate/up 98.85% / +0.05%, gate/up +
+#   down 99.15% / +0.16%, + o 98.85%, every Q4_1 layer 97.89% (fails)
+#   (results/fidelity_paths_int8_prefill_*_amd_epyc_zen3_avx2.json). That build turned the
+#   default model's chat answer into "L'Étoile, la Marseillaise, ..." (gate/up alone already);
+#   the last row alone on float16_weights gave "The capital of France is Paris." back, which is
+#   why the rows whose logits are read keep the large path (test_default_model.py).
+# - Speed: int8_blocks' product is ~2x float16_weights' at 9-512 rows (bench_matmul_paths.py);
+#   W2 figures in the README ("Prefill and large batches").
+# The decode margin is thin (0.2 points), so only these two roles.
 AUTO_LARGE_INT8_ROLES = frozenset({"gate_up_proj", "down_proj"})
 INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
 # fbgemm's products (x86 with AVX2 or better): the int8 paths and float16 weights.

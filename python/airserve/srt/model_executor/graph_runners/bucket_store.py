@@ -111,7 +111,7 @@ def layer_forms(roots: dict[str, object]) -> dict[str, list]:
                     forms[f"{prefix}.{name}"] = [
                         m.large_path, m.packed_max_rows,
                         [[k, m.activations_for(k, True)] for k in m.packed_kinds],
-                        m.large_decode_int8]
+                        m.large_int8]
     return forms
 
 
