@@ -2,8 +2,8 @@
 that small batches (decode) multiply with directly, and the weight form of the path larger inputs
 use (`quant.matmul_paths`: float32, bfloat16, float16_weights, w8a8_int8 or
 w8a8_int8_outliers, or the layer's own int8_blocks; float32 by oneDNN over a reordered weight or
-by sgemm over the plain one). `Linear.path_for(rows, decode)`
-is the one place that decides which product an input of `rows` rows takes.
+by sgemm over the plain one). `Linear.path_for(rows, decode)` decides which product an input of
+`rows` rows takes (and `forward`'s `float_rows`, which rows of an extend stay off int8_blocks).
 
 The packed products take the layer's `packed_activations` (int8 or float32) only for decode
 rows (`forward(x, decode=True)`: one new token per sequence); extend rows (a prefill, a chunk, a
@@ -14,8 +14,8 @@ weights or int8 products) a short extend takes that path too, whatever its row c
 way a prompt's first output token does not depend on how much of the prompt was cached or how
 it was chunked. A Q4_1 layer may also take int8_blocks (`set_large_int8`) for its decode
 batches above the packed limit and for the extend rows whose logits are not read (their K/V
-only); the rows whose logits are read keep the large path (`forward`'s `float_rows`), the same
-whatever the chunking or caching."""
+only); the rows whose logits are read keep the large path (`forward`'s `float_rows`). Each
+int8_blocks row is multiplied alone, so chunking a prompt does not change it."""
 
 from __future__ import annotations
 
@@ -264,7 +264,7 @@ class Linear(nn.Linear):
         self.large_int8 = on
 
     def takes_int8_blocks(self, setting: str, model_path: str) -> bool:
-        """Whether this layer's decode batches above its packed limit take int8_blocks under
+        """Whether this layer takes int8_blocks (`set_large_int8`) under
         --cpu-large-activations `setting` (LARGE_ACTIVATIONS) when the model's large path
         is `model_path`: "int8" in every layer of Q4_1 blocks (Q4_0 files too) that has the
         packed kernels and a multiple of 16 outputs, "float" in none, "auto" in those of them

@@ -232,6 +232,6 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",
                 f" ({', '.join(residual)} with float32 residual channels)" if residual else "",
-                f"; decode batches of {', '.join(int8)} through int8_blocks (int8 activations)"
-                if int8 else "")
+                f"; {', '.join(int8)} through int8_blocks (int8 activations) but the prompt rows "
+                f"whose logits are read" if int8 else "")
     return len(layers)

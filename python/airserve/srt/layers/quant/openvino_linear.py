@@ -91,9 +91,11 @@ class OpenVINOLinear(nn.Module):
         return pairs.view(n, groups, BLOCK)
 
     def forward(self, x: torch.Tensor, decode: bool = False,
-                keep_bf16: bool = False) -> torch.Tensor:
-        # `decode` and `keep_bf16` (Linear.forward's) change nothing here: OpenVINO picks its
-        # own activation precision for these graphs (--openvino-dynamic-quant-group-size).
+                keep_bf16: bool = False, float_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # `decode`, `keep_bf16` and `float_rows` (Linear.forward's) change nothing here:
+        # OpenVINO picks its own activation precision for these graphs
+        # (--openvino-dynamic-quant-group-size), and these layers hold no int8_blocks.
         n, k = self.out_features, self.in_features
         q = self.weight_q().to(x.dtype)
         if self.zp is not None:
@@ -119,7 +121,8 @@ class ConcatLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor, decode: bool = False,
-                keep_bf16: bool = False) -> torch.Tensor:
+                keep_bf16: bool = False, float_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         y = torch.cat([p(x, decode) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
