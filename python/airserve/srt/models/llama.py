@@ -178,8 +178,9 @@ class MLP(nn.Module):
 
 
 def logit_rows(fb: ForwardBatch) -> torch.Tensor | None:
-    """The rows of an extend whose logits the forward reads (LlamaForCausalLM.forward), or None
-    when it reads every row or does not say (a calibration pass's batch carries only its
+    """The rows whose logits the forward reads (LlamaForCausalLM.forward keeps these for the
+    lm_head; an extend's MLP keeps them off int8_blocks), or None when it reads every row or
+    does not say (a calibration pass's batch carries only its
     attention: quant.int8_calibration)."""
     rows = getattr(fb, "logit_rows", None)
     if rows is not None:
@@ -258,10 +259,9 @@ class LlamaForCausalLM(nn.Module):
         sequence (its last token) unless `fb.return_all_logits`, then one row per token, or
         `fb.logit_rows` when set (the rows prompt logprobs need)."""
         hidden = self.model(input_ids, positions, fb)
-        if fb.logit_rows is not None:
-            hidden = hidden[fb.logit_rows]
-        elif fb.last_token_indices is not None and not fb.return_all_logits:
-            hidden = hidden[fb.last_token_indices]
+        rows = logit_rows(fb)
+        if rows is not None:
+            hidden = hidden[rows]
         logits = self.lm_head(hidden, fb.forward_mode.is_decode()).float()
         if self.refine_logits and hidden.dtype == torch.float32:
             torch.ops.airserve.refine_top_logits_(logits, hidden, self.lm_head.weight,
