@@ -223,3 +223,13 @@ def any_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
     if kind in ("q4_1", "q8_0"):
         return random_packed(kind, n, k, seed)
     return random_raw_packed(kind, n, k, seed)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> the float64 values the int8 products' activations stand for: per
+    block of 32, scale max|x| / 127 and values rounded half to even (block_matmul_int8,
+    gemm_int8_blocks)."""
+    b = x.view(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(b * inv).double() * d.double()).view_as(x)

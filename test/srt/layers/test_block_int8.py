@@ -2,8 +2,9 @@
 this CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, portable: `block_matvec.int8_isas()`).
 
 References, in float64: float32 activations: x @ dequantize(w).T. int8 activations: the same
-with x replaced by its per-block int8 quantization (`quantize_rows` below: scale max|x| / 127,
-round half to even), so the test checks the integer arithmetic, not the quantization error.
+with x replaced by its per-block int8 quantization (airserve_testing.tiny_gguf's `int8_rows`:
+scale max|x| / 127, round half to even), so the test checks the integer arithmetic, not the
+quantization error.
 `dequantize` itself is checked against the gguf package's numpy dequantization.
 Tolerance: 2e-5 of the largest |output| (float32 scaling and summation over K / 32 blocks).
 """
@@ -20,7 +21,7 @@ from airserve.srt.layers.quant import block_matvec
 from airserve.srt.layers.quant.block_matvec import KINDS, RAW_KINDS, packed_linear
 from airserve.srt.model_loader.gguf_dequant import dequantize
 from airserve_testing.compile_probe import compiled_calls
-from airserve_testing.tiny_gguf import any_packed
+from airserve_testing.tiny_gguf import any_packed, int8_rows
 
 TOL = 2e-5
 # K per kind: not a multiple of 256 where the block size (32) allows it.
@@ -33,14 +34,6 @@ def kernels():
         pytest.fail(f"the block kernels did not build: {block_matvec.unavailable_reason()}")
     yield
     block_matvec.use_int8_isa("auto")
-
-
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 -> the float64 values int8 activations stand for (per block of 32)."""
-    b = x.view(x.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(b * inv).double() * d.double()).view_as(x)
 
 
 def assert_near(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -56,7 +49,7 @@ def test_products_equal_the_dequantized_reference(kind: str, rows: int) -> None:
         wd = w.dequantize().double()
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert_near(packed_linear(x, w), x.double() @ wd.T)
-        ref8 = quantize_rows(x) @ wd.T
+        ref8 = int8_rows(x) @ wd.T
         for isa in block_matvec.int8_isas():
             assert block_matvec.use_int8_isa(isa) == isa
             assert_near(packed_linear(x, w, "int8"), ref8)
@@ -245,7 +238,7 @@ def test_int8_extremes_do_not_saturate(kind: str) -> None:
     wd = w.dequantize().double()
     sign = 1.0 if kind != "q8_0" else torch.where(wd > 0, 1.0, -1.0)[0].float()
     x = (torch.ones(3, 256) * sign * torch.tensor([[1.0], [-2.0], [3.0]])).contiguous()
-    ref = quantize_rows(x) @ wd.T
+    ref = int8_rows(x) @ wd.T
     for isa in block_matvec.int8_isas():
         block_matvec.use_int8_isa(isa)
         assert_near(packed_linear(x, w, "int8"), ref)

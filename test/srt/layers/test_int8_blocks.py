@@ -14,7 +14,7 @@ import torch
 from airserve.srt.layers.linear import Linear
 from airserve.srt.layers.quant import block_matvec, matmul_paths
 from airserve.srt.layers.quant.packed_or_large import packed_or_large
-from airserve_testing.tiny_gguf import any_packed
+from airserve_testing.tiny_gguf import any_packed, int8_rows
 
 # Relative to the largest |output|: float32 sums of exact integer block sums against float64.
 TOL = 2e-6
@@ -36,19 +36,8 @@ def portable():
 
 
 def reference(x: torch.Tensor, w: block_matvec.PackedWeight) -> torch.Tensor:
-    """float64 out = sum over blocks of d * xd * sum(q * xq) + m * xs, x quantized as the
-    int8 products do it: xd = max|x| / 127, xq = round half to even (x / xd), xs = xd * sum xq
-    (float32 scales, as the kernels hold them)."""
-    m_rows, k = x.shape
-    xb = x.view(m_rows, k // 32, 32)
-    xd = xb.abs().amax(-1) / 127
-    inv = torch.where(xd > 0, 1 / xd, torch.zeros_like(xd))
-    xq = torch.round(xb * inv[..., None]).double()
-    xs = (xd * xq.sum(-1).float()).double()
-    q = w.values().double()
-    sums = torch.einsum("rbj,nbj->rnb", xq, q)
-    scaled = sums * (xd.double()[:, None, :] * w.d.double()[None])
-    return scaled.sum(-1) + (xs[:, None, :] * w.m.double()[None]).sum(-1)
+    """float64: x quantized as the int8 products do it (int8_rows) times the exact weight."""
+    return int8_rows(x) @ w.dequantize().double().T
 
 
 def packed_pair(n: int, k: int, seed: int = 0):
