@@ -67,8 +67,8 @@ PATH_ARGS: dict[str, dict[str, Any]] = {
     "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
     "kv-float16": {"kv_cache_dtype": "float16"},
     "kv-int8": {"kv_cache_dtype": "int8"},
-    # Nor these: the activations of Q4_1 layers above the packed limit (default auto: int8 in
-    # the gate/up projections beside float16_weights; matmul_paths' int8_blocks).
+    # Nor these: the activations of Q4_1 layers above the packed limit and in prefill (default
+    # auto: int8 in gate/up and down beside float16_weights; matmul_paths' int8_blocks).
     "large-float": {"cpu_large_activations": "float"},
     "large-int8": {"cpu_large_activations": "int8"},
     "large-auto": {"cpu_large_activations": "auto"},

@@ -100,7 +100,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
     embedding reads). w8a8_int8_outliers first finds each layer's `int8_outlier_channels`
     (None: matmul_paths.DEFAULT_OUTLIER_CHANNELS) outlier input channels by a calibration
     prefill (quant.int8_calibration). `large_activations` (--cpu-large-activations) gives
-    the decode batches of some Q4_1 layers int8_blocks instead (`Linear.takes_int8_blocks`).
+    some Q4_1 layers int8_blocks beside it (`Linear.takes_int8_blocks`, `set_large_int8`).
     """
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
@@ -201,8 +201,8 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
                    outliers: dict[str, torch.Tensor] | None = None,
                    large_activations: str = "float") -> int:
     """Give every linear layer the weight form of `path` (float32: by `float32_impl`) for
-    inputs above the packed limit, and int8_blocks' for its decode batches there where
-    `large_activations` gives it the layer (`Linear.takes_int8_blocks`); a weight shared with an
+    inputs above the packed limit, and int8_blocks' beside it where `large_activations` gives
+    it the layer (`Linear.takes_int8_blocks`); a weight shared with an
     embedding (tied lm_head) stays for the lookups. `outliers`: each layer's float32 input
     channels by module name (w8a8_int8_outliers). Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding

@@ -92,13 +92,11 @@ void tile_avx2(const GemmJob& j, int64_t g, int64_t r0) {
   }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t = wg + b * kTileBytes;
-    // PREFETCH_OFF
     __m256i a[R][2];
     for (int r = 0; r < R; ++r) {
       a[r][0] = _mm256_setzero_si256();
       a[r][1] = _mm256_setzero_si256();
     }
-
     for (int p = 0; p < 8; ++p) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * p));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 256 + 32 * p));

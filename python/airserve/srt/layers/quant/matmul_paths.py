@@ -284,9 +284,8 @@ def fp16_weight_linear(x: torch.Tensor, weight: Fp16Weight) -> torch.Tensor:
     return torch.ops.airserve.fp16_weight_linear(x, weight.handle)
 
 
-# int8_blocks: x float32 [M, K] times the repacked weight, csrc/block_int8.cpp.
+# int8_blocks: x float32 [M, K] times the repacked weight, csrc/block_int8_gemm.cpp.
 _lib.define("gemm_int8_blocks(Tensor x, Tensor w) -> Tensor")
-INT8_TILE_BYTES = 640  # one tile: 16 output columns by one block of 32 inputs (kGemmTileBytes)
 
 
 @torch.library.register_fake("airserve::gemm_int8_blocks")
@@ -299,7 +298,7 @@ def pack_int8_blocks(values: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
     `PackedWeight.values()`), `d` and `m` [N, K/32] (value = d * q + m). Returns uint8
     [N/16, K/32, 640]: per 16 output columns and block, each half of 8 columns as 8 quads of
     32 bytes (column c's values 4p..4p+3 at byte 4c of quad p), then d and m as float32 [16]
-    each (csrc/block_int8_gemm.inc). Raises ValueError for N not a multiple of 16 or values
+    each (csrc/block_int8_gemm.cpp). Raises ValueError for N not a multiple of 16 or values
     above 15 (the int16 sums of the kernel are sized for 4 bits)."""
     n, nb, block = values.shape
     if block != 32 or n % 16 or tuple(d.shape) != (n, nb) or tuple(m.shape) != (n, nb):

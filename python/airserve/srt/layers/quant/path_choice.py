@@ -9,8 +9,8 @@ and the flags call them only when they need them.
 from __future__ import annotations
 
 PATHS = ("float32", "bfloat16", "float16_weights", "w8a8_int8", "w8a8_int8_outliers")
-# --cpu-large-activations: which layers' decode batches above the packed limit take
-# matmul_paths' int8_blocks (ServerArgs says what each value means).
+# --cpu-large-activations: which Q4_1 layers take matmul_paths' int8_blocks for their decode
+# batches above the packed limit and extend rows (ServerArgs says what each value means).
 LARGE_ACTIVATIONS = ("auto", "int8", "float")
 # The Q4_1 layers (by role) that --cpu-large-activations auto gives int8_blocks beside
 # float16_weights: their decode batches above the packed limit and their extend rows but those
