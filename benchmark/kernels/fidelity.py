@@ -364,10 +364,18 @@ def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
     """int8_blocks in decode batches above the packed limit: the text decoded teacher-forced,
     `batch` (> LARGE_DECODE_LIMIT) sequences side by side, so every step's products take the
     large path; float32 is the reference, then float16_weights alone, then float16_weights with
-    int8_blocks in the Q4_1 layers of each "ROLE/ROLE" set (Linear.set_large_int8)."""
+    int8_blocks in the Q4_1 layers of each "ROLE/ROLE" set (Linear.set_large_int8; "ROLE/ROLE@K":
+    not in the first or last K decoder layers), or in the layers --cpu-large-activations auto
+    gives it for the set "auto" (loader.int8_blocks_layers: its roles, not at the model's
+    ends)."""
     from airserve.srt.layers.linear import Linear
     from airserve.srt.model_executor.model_runner import ModelRunner
-    from airserve.srt.model_loader.loader import load_model, set_large_path
+    from airserve.srt.model_loader.loader import (
+        decoder_layer_index,
+        int8_blocks_layers,
+        load_model,
+        set_large_path,
+    )
     from airserve.srt.server_args import ServerArgs
 
     if batch <= LARGE_DECODE_LIMIT:
@@ -381,16 +389,23 @@ def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
     runner = ModelRunner(args, model_config=cfg, model=model)
     ref = teacher_forced(runner, seqs)
     set_large_path(model, "float16_weights")
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    auto = set(int8_blocks_layers(model, "auto", "float16_weights"))
+    index = {n: decoder_layer_index(n) for n, _ in layers}
+    n_layers = 1 + max(i for i in index.values() if i is not None)
     rows = []
     for roles in ["", *role_sets]:
-        names = set(roles.split("/")) if roles else set()
-        for m in layers:
-            on = m.packed_role in names and m.takes_int8_blocks("int8", "float16_weights")
+        spec, _, edge = roles.partition("@")
+        names, edge = set(spec.split("/")) if spec else set(), int(edge or 0)
+        inside = {n for n, i in index.items() if i is not None and edge <= i < n_layers - edge}
+        for n, m in layers:
+            on = (n in auto if roles == "auto" else
+                  m.packed_role in names and n in inside
+                  and m.takes_int8_blocks("int8", "float16_weights"))
             if on or m.large_int8:
                 m.set_large_int8(on)
         rows.append({"int8_roles": roles or "-", "matmul_path": "float16_weights",
-                     "int8_layers": sum(m.large_int8 for m in layers),
+                     "int8_layers": sum(m.large_int8 for _, m in layers),
                      **compare(ref, teacher_forced(runner, seqs))})
         print(f"int8 in {roles or 'no layer'}: top-1 {rows[-1]['top1_agreement']:.2%}",
               flush=True)
@@ -520,8 +535,10 @@ def main() -> None:
                    help="check these prefill / large-batch matmul paths instead")
     p.add_argument("--large-decode-int8-roles", nargs="+", default=None,
                    help="check int8_blocks in decode batches above the packed limit instead: "
-                        "one configuration per ROLE[/ROLE...] (e.g. gate_up_proj/down_proj), "
-                        "--batch rows a step (above the limit of 8)")
+                        "one configuration per ROLE[/ROLE...][@K] (e.g. gate_up_proj/down_proj; "
+                        "@K: not in the first or last K decoder layers) or 'auto' (the layers "
+                        "--cpu-large-activations auto gives it), --batch rows a step (above the "
+                        "limit of 8)")
     p.add_argument("--int8-outlier-channels", type=int, default=None,
                    help="w8a8_int8_outliers: float32 input channels per layer (default: the "
                         "server's)")

@@ -138,10 +138,11 @@ class ServerArgs:
     # blocks repacked, int8 activations per block of 32 as the packed decode products quantize
     # them, integer maddubs tiles); "float" keeps the large path's own arithmetic (float32,
     # float16 weights or bf16); "auto" takes int8 in the gate/up and down projections
-    # (AUTO_LARGE_INT8_ROLES) where the large path is float16_weights (AVX2 CPUs without bf16
-    # dot products), the one it was measured against. The rows whose logits are read keep the
-    # large path: int8 there changed the default model's chat answer. Why and the figures:
-    # layers/quant/path_choice.py, above AUTO_LARGE_INT8_ROLES.
+    # (AUTO_LARGE_INT8_ROLES) but those of the first and last eighth of the decoder layers
+    # (AUTO_LARGE_INT8_EDGE_DIVISOR), where the large path is float16_weights (AVX2 CPUs
+    # without bf16 dot products), the one it was measured against. The rows whose logits are
+    # read keep the large path: int8 there changed the default model's chat answer. Why and the
+    # figures: layers/quant/path_choice.py, above AUTO_LARGE_INT8_ROLES.
     cpu_large_activations: str = "auto"
     # How the float32 path multiplies (cpu): "onednn" (weights reordered once for oneDNN, in
     # place of the plain ones), "sgemm" (F.linear over plain weights), "auto": onednn where

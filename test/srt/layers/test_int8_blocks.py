@@ -194,16 +194,24 @@ def test_linear_refuses_other_blocks() -> None:
 def test_which_layers_take_it() -> None:
     gate_up, down = q4_1_layer(role="gate_up_proj"), q4_1_layer(role="down_proj")
     o_proj = q4_1_layer(role="o_proj")
-    # auto: the roles AUTO_LARGE_INT8_ROLES names (gate/up and down), beside float16_weights.
+    # auto: the roles AUTO_LARGE_INT8_ROLES names (gate/up and down), beside float16_weights,
+    # in decoder layers 3..26 of 30 (the first and last 30 // 8 keep the large path).
     assert matmul_paths.AUTO_LARGE_INT8_ROLES == {"gate_up_proj", "down_proj"}
-    assert gate_up.takes_int8_blocks("auto", "float16_weights")
-    assert down.takes_int8_blocks("auto", "float16_weights")
-    assert not o_proj.takes_int8_blocks("auto", "float16_weights")
-    assert not gate_up.takes_int8_blocks("auto", "bfloat16")
-    assert not gate_up.takes_int8_blocks("auto", "float32")
-    # int8: every Q4_1 layer; float: none.
+    assert matmul_paths.AUTO_LARGE_INT8_EDGE_DIVISOR == 8
+    middle = (3, 30)
+    assert gate_up.takes_int8_blocks("auto", "float16_weights", *middle)
+    assert down.takes_int8_blocks("auto", "float16_weights", 26, 30)
+    for index in (0, 2, 27, 29, None):
+        assert not gate_up.takes_int8_blocks("auto", "float16_weights", index, 30), index
+    assert not gate_up.takes_int8_blocks("auto", "float16_weights")  # no place in a stack
+    assert gate_up.takes_int8_blocks("auto", "float16_weights", 0, 7)  # 7 // 8 = 0: no ends
+    assert not o_proj.takes_int8_blocks("auto", "float16_weights", *middle)
+    assert not gate_up.takes_int8_blocks("auto", "bfloat16", *middle)
+    assert not gate_up.takes_int8_blocks("auto", "float32", *middle)
+    # int8: every Q4_1 layer, wherever it sits; float: none.
     assert o_proj.takes_int8_blocks("int8", "float32")
-    assert not gate_up.takes_int8_blocks("float", "float16_weights")
+    assert gate_up.takes_int8_blocks("int8", "float16_weights", 0, 30)
+    assert not gate_up.takes_int8_blocks("float", "float16_weights", *middle)
     w = any_packed("q8_0", 32, 64)
     q8 = Linear(64, 32, bias=False)
     q8.packed_role = "gate_up_proj"
@@ -244,27 +252,34 @@ def test_packed_or_large_calls_it_eager_and_compiled() -> None:
 
 
 def test_loader_gives_it_to_the_gate_up_and_down_layers() -> None:
-    """The default model under float16_weights: auto gives the gate/up and down projections
-    int8_blocks for their large decode batches, int8 every Q4_1 layer, float none; every layer
-    keeps its float16 weight for extends, and the report counts the int8 layers."""
-    from airserve.srt.layers.linear import matmul_path_report
-    from airserve.srt.model_loader.loader import load_model
+    """The default model (30 decoder layers) under float16_weights: auto gives the gate/up and
+    down projections of layers 3..26 int8_blocks for their large decode batches, int8 every
+    Q4_1 layer, float none; every layer keeps its float16 weight for extends, and the report
+    counts the int8 layers and names those auto left at the model's ends."""
+    from airserve.srt.layers.linear import matmul_path_report, packed_report
+    from airserve.srt.model_loader.loader import decoder_layer_index, load_model
 
     if not matmul_paths.int8_available():
         pytest.skip("float16_weights needs fbgemm (x86 with AVX2)")
-    for setting, roles in (("auto", {"gate_up_proj", "down_proj"}), ("float", set()),
-                           ("int8", {"gate_up_proj", "down_proj", "o_proj", "qkv_proj"})):
+    for setting, roles, stack in (("auto", {"gate_up_proj", "down_proj"}, range(3, 27)),
+                                  ("float", set(), range(0)),
+                                  ("int8", {"gate_up_proj", "down_proj", "o_proj", "qkv_proj"},
+                                   range(30))):
         _, model = load_model(None, "float32", "cpu", packed_decode_max_bs=LIMIT,
                               decode_activations="auto", large_path="float16_weights",
                               large_activations=setting)
         layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-        int8 = {n.rsplit(".", 1)[-1] for n, m in layers.items() if m.large_int8}
-        assert int8 == roles, setting
+        int8 = {n for n, m in layers.items() if m.large_int8}
+        assert {n.rsplit(".", 1)[-1] for n in int8} == roles, setting
+        assert {decoder_layer_index(n) for n in int8} == set(stack), setting
         assert all(m.large_path == "float16_weights" and m.weight_fp16 is not None
                    for m in layers.values())
         report = matmul_path_report(list(layers.values()))
         assert report[-1]["path"] == "float16_weights"
-        assert report[-1].get("int8_blocks_layers", 0) == 30 * len(roles), setting
+        assert report[-1].get("int8_blocks_layers", 0) == len(stack) * len(roles), setting
+        ends = "(12 of their layers, at the model's ends, excepted)"
+        rule = packed_report(list(layers.values())).get("activations_rule", "")
+        assert (ends in rule) == (setting == "auto"), rule
 
 
 def test_report_names_the_int8_decode_batches() -> None:
@@ -279,6 +294,12 @@ def test_report_names_the_int8_decode_batches() -> None:
         "; extend rows: float32", "; decode batches above the packed limit: int8 for "
         "q4_1:gate_up_proj, float32 for the rest; extend rows: int8 for q4_1:gate_up_proj but "
         "the rows whose logits are read, float32 for the rest")
+    # A gate/up layer left on the large path (auto does so at the model's ends) is named.
+    held = packed_report([gate_up, q4_1_layer(role="gate_up_proj"), down])["activations_rule"]
+    ends = " (1 of their layers, at the model's ends, excepted)"
+    assert held == rule.replace("limit: int8 for q4_1:gate_up_proj,",
+                                f"limit: int8 for q4_1:gate_up_proj{ends},").replace(
+        "q4_1:gate_up_proj but", f"q4_1:gate_up_proj{ends} but")
 
 
 def test_flag(capsys) -> None:

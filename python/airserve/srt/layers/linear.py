@@ -44,6 +44,7 @@ from airserve.srt.layers.quant.matmul_paths import (
     Float32Weight,
     Fp16Weight,
     Int8Weight,
+    auto_large_int8_layer,
     bf16_linear,
     fp16_weight_linear,
     gemm_int8_blocks,
@@ -263,13 +264,15 @@ class Linear(nn.Linear):
         self.register_buffer("weight_int8_blocks", blocks, persistent=False)
         self.large_int8 = on
 
-    def takes_int8_blocks(self, setting: str, model_path: str) -> bool:
+    def takes_int8_blocks(self, setting: str, model_path: str, layer_index: int | None = None,
+                          n_layers: int = 0) -> bool:
         """Whether this layer takes int8_blocks (`set_large_int8`) under
         --cpu-large-activations `setting` (LARGE_ACTIVATIONS) when the model's large path
         is `model_path`: "int8" in every layer of Q4_1 blocks (Q4_0 files too) that has the
         packed kernels and a multiple of 16 outputs, "float" in none, "auto" in those of them
         whose role AUTO_LARGE_INT8_ROLES names (gate/up, down) beside float16_weights, the one
-        path it was measured against (path_choice says why)."""
+        path it was measured against, and whose decoder layer `layer_index` of `n_layers` is
+        not at the model's ends (auto_large_int8_layer; path_choice says why)."""
         if setting not in LARGE_ACTIVATIONS:
             raise ValueError(f"cpu_large_activations={setting!r}: choose one of "
                              f"{', '.join(LARGE_ACTIVATIONS)}")
@@ -277,7 +280,8 @@ class Linear(nn.Linear):
                 or self.out_features % 16):
             return False
         return setting == "int8" or (model_path == "float16_weights"
-                                     and self.packed_role in AUTO_LARGE_INT8_ROLES)
+                                     and self.packed_role in AUTO_LARGE_INT8_ROLES
+                                     and auto_large_int8_layer(layer_index, n_layers))
 
     def activations_for(self, kind: str, decode: bool) -> str:
         """The activations ("float32", "int8" or "int16") of the packed product of a `kind`
@@ -414,7 +418,11 @@ def packed_report(layers: list[Linear]) -> dict:
     if packed:
         large_int8 = {_activations_label(kind, m.packed_role) for m in packed
                       if m.large_int8 for kind in m.packed_kinds}
-        report["activations_rule"] = activations_rule(resolved, large_int8)
+        # Layers of those kinds and roles left on the large path (auto: the model's ends).
+        held_back = sum(not m.large_int8 and any(_activations_label(kind, m.packed_role)
+                                                 in large_int8 for kind in m.packed_kinds)
+                        for m in packed)
+        report["activations_rule"] = activations_rule(resolved, large_int8, held_back)
     activations = {a for _, a in resolved} | ({"float32"} if packed else set())  # extends
     if "int8" in activations:
         report["int8_isa"] = int8_isa()
@@ -431,11 +439,12 @@ def _activations_label(kind: str, role: str) -> str:
     return f"{kind}:{role}" if role and kind in AUTO_INT8_ROLES else kind
 
 
-def activations_rule(resolved: set[tuple[str, str]], large_int8: set[str] = frozenset()
-                     ) -> str:
+def activations_rule(resolved: set[tuple[str, str]], large_int8: set[str] = frozenset(),
+                     held_back: int = 0) -> str:
     """The rule in words, from (kind, decode activations) pairs and the kinds (labelled as in
     the pairs) whose layers multiply decode batches above the packed limit through
-    int8_blocks, e.g. "decode rows: int8 for q4_1, float32 for q8_0; extend rows: float32"."""
+    int8_blocks, `held_back` layers of those kinds excepted (auto: at the model's ends), e.g.
+    "decode rows: int8 for q4_1, float32 for q8_0; extend rows: float32"."""
     by_act: dict[str, list[str]] = {}
     for kind, act in sorted(resolved):
         by_act.setdefault(act, []).append(kind)
@@ -448,9 +457,10 @@ def activations_rule(resolved: set[tuple[str, str]], large_int8: set[str] = froz
     if not large_int8:
         return f"decode rows: {decode}; extend rows: float32"
     int8 = "/".join(sorted(large_int8))  # int8_blocks: Linear.set_large_int8
-    return (f"decode rows: {decode}; decode batches above the packed limit: int8 for {int8}, "
-            f"float32 for the rest; extend rows: int8 for {int8} but the rows whose logits are "
-            f"read, float32 for the rest")
+    ends = f" ({held_back} of their layers, at the model's ends, excepted)" if held_back else ""
+    return (f"decode rows: {decode}; decode batches above the packed limit: int8 for "
+            f"{int8}{ends}, float32 for the rest; extend rows: int8 for {int8}{ends} but the "
+            f"rows whose logits are read, float32 for the rest")
 
 
 def matmul_path_report(layers: list[Linear], names: list[str] | None = None) -> list[dict]:

@@ -6,6 +6,7 @@ import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -197,12 +198,35 @@ def large_path_outliers(model: torch.nn.Module, tokenizer: object, path: str,
     return {}
 
 
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_layer_index(name: str) -> int | None:
+    """The decoder layer a module belongs to by its name ("model.layers.7.mlp.down_proj" -> 7),
+    None outside the decoder stack (lm_head)."""
+    found = _DECODER_LAYER.search(name)
+    return int(found.group(1)) if found else None
+
+
+def int8_blocks_layers(model: torch.nn.Module, large_activations: str, path: str) -> list[str]:
+    """The module names of the linear layers that take int8_blocks under
+    --cpu-large-activations `large_activations` when the large path is `path`
+    (`Linear.takes_int8_blocks`, each with its decoder layer's place in the stack)."""
+    from airserve.srt.layers.linear import Linear
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    indices = [decoder_layer_index(n) for n, _ in layers]
+    n_layers = max((i for i in indices if i is not None), default=-1) + 1
+    return [n for (n, m), i in zip(layers, indices)
+            if m.takes_int8_blocks(large_activations, path, i, n_layers)]
+
+
 def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm",
                    outliers: dict[str, torch.Tensor] | None = None,
                    large_activations: str = "float") -> int:
     """Give every linear layer the weight form of `path` (float32: by `float32_impl`) for
     inputs above the packed limit, and int8_blocks' beside it where `large_activations` gives
-    it the layer (`Linear.takes_int8_blocks`); a weight shared with an
+    it the layer (`int8_blocks_layers`); a weight shared with an
     embedding (tied lm_head) stays for the lookups. `outliers`: each layer's float32 input
     channels by module name (w8a8_int8_outliers). Returns how many layers changed."""
     from airserve.srt.layers.embedding import VocabParallelEmbedding
@@ -212,6 +236,7 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    layers_by_name = dict(layers)
     fp16 = {}  # fbgemm packs on one core: the float16 weights a layer per thread
     if path == "float16_weights":
         sources = [(n, m) for n, m in layers if m.has_weight_source]
@@ -223,12 +248,10 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
         layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
                              outliers=(outliers or {}).get(name), fp16_prepacked=fp16.get(name))
     residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
-    int8 = []
-    for name, layer in layers:
-        if layer.takes_int8_blocks(large_activations, path):
-            layer.set_large_int8(True)
-            int8.append(name.rsplit(".", 1)[-1])
-    int8 = sorted(set(int8))
+    chosen = int8_blocks_layers(model, large_activations, path)
+    for name in chosen:
+        layers_by_name[name].set_large_int8(True)
+    int8 = sorted({name.rsplit(".", 1)[-1] for name in chosen})
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",
                 f" ({', '.join(residual)} with float32 residual channels)" if residual else "",

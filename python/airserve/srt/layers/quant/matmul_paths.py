@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 # What each path is and how flags choose one, without torch (the HTTP process checks the flags).
 from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
+    AUTO_LARGE_INT8_EDGE_DIVISOR,
     AUTO_LARGE_INT8_ROLES,
     BF16_FLAGS,
     BF16_RESIDUAL_CHANNELS,
@@ -74,6 +75,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     PATHS,
     QUANTIZATIONS,
     auto_eligible,
+    auto_large_int8_layer,
     auto_path,
     check_float32_impl,
     choose_float32_impl,

@@ -29,8 +29,31 @@ LARGE_ACTIVATIONS = ("auto", "int8", "float")
 #   why the rows whose logits are read keep the large path (test_default_model.py).
 # - Speed: int8_blocks' product is ~2x float16_weights' at 9-512 rows (bench_matmul_paths.py);
 #   W2 figures in the README ("Prefill and large batches").
-# The decode margin is thin (0.2 points), so only these two roles.
+# The decode margin is thin (0.2 points), so only these two roles, and not at the model's ends
+# (AUTO_LARGE_INT8_EDGE_DIVISOR).
 AUTO_LARGE_INT8_ROLES = frozenset({"gate_up_proj", "down_proj"})
+# Under auto, the first and last n_layers // AUTO_LARGE_INT8_EDGE_DIVISOR decoder layers keep
+# the large path's arithmetic in those roles too. Why: the int8 products' relative error per
+# layer (int8_blocks against float16_weights on the same inputs, 480 tokens of the packaged
+# text, 16 rows a step) is ~0.7% in most layers and highest at the ends (down_proj of layer 28
+# 1.5%, gate/up of layer 0 1.1%), and the large-decode check above, same CPU, gate/up + down
+# with int8 everywhere but the first and last k layers: k = 0 98.19% / +0.12%, 1 98.44%, 2
+# 98.79% / +0.03%, 3 98.89% / +0.14%, 4 99.14% / +0.10%
+# (benchmark/kernels/results/fidelity_large_decode_int8_edges_amd_epyc_zen3_avx2.json). k = 3
+# (n // 8 of the default model's 30 layers) keeps 48 of its 60 int8 layers and a 0.9-point
+# margin. llama.cpp's Q4_K_M mix gives the first and last eighth of the layers' ffn_down more
+# bits for the same reason (use_more_bits in src/llama-quant.cpp).
+AUTO_LARGE_INT8_EDGE_DIVISOR = 8
+
+
+def auto_large_int8_layer(index: int | None, n_layers: int) -> bool:
+    """Whether decoder layer `index` of `n_layers` (None: a layer outside the decoder stack)
+    is one where --cpu-large-activations auto may take int8_blocks: not in the first or last
+    n_layers // AUTO_LARGE_INT8_EDGE_DIVISOR layers, nor outside the stack."""
+    if index is None:
+        return False
+    edge = n_layers // AUTO_LARGE_INT8_EDGE_DIVISOR
+    return edge <= index < n_layers - edge
 INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
 # fbgemm's products (x86 with AVX2 or better): the int8 paths and float16 weights.
 FBGEMM_PATHS = ("float16_weights",) + INT8_PATHS
