@@ -41,8 +41,8 @@ AUTO_LARGE_INT8_ROLES = frozenset({"gate_up_proj", "down_proj"})
 # 98.79% / +0.03%, 3 98.89% / +0.14%, 4 99.14% / +0.10%
 # (benchmark/kernels/results/fidelity_large_decode_int8_edges_amd_epyc_zen3_avx2.json). k = 3
 # (n // 8 of the default model's 30 layers) keeps 48 of its 60 int8 layers and a 0.9-point
-# margin. llama.cpp's Q4_K_M mix gives the first and last eighth of the layers' ffn_down more
-# bits for the same reason (use_more_bits in src/llama-quant.cpp).
+# margin. llama.cpp's Q4_K_M mix likewise gives more bits to ffn_down in the first and last
+# eighth of the layers (and every third layer between: use_more_bits in src/llama-quant.cpp).
 AUTO_LARGE_INT8_EDGE_DIVISOR = 8
 
 
@@ -54,6 +54,8 @@ def auto_large_int8_layer(index: int | None, n_layers: int) -> bool:
         return False
     edge = n_layers // AUTO_LARGE_INT8_EDGE_DIVISOR
     return edge <= index < n_layers - edge
+
+
 INT8_PATHS = ("w8a8_int8", "w8a8_int8_outliers")  # fbgemm products (airserve::w8a8_linear)
 # fbgemm's products (x86 with AVX2 or better): the int8 paths and float16 weights.
 FBGEMM_PATHS = ("float16_weights",) + INT8_PATHS
