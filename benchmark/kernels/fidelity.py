@@ -390,7 +390,7 @@ def check_large_decode(role_sets: list[str], n_tokens: int, batch: int) -> dict:
     ref = teacher_forced(runner, seqs)
     set_large_path(model, "float16_weights")
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    auto = set(int8_blocks_layers(model, "auto", "float16_weights"))
+    auto = {n for n, _ in int8_blocks_layers(model, "auto", "float16_weights")}
     index = {n: decoder_layer_index(n) for n, _ in layers}
     n_layers = 1 + max(i for i in index.values() if i is not None)
     rows = []

@@ -18,6 +18,7 @@ from airserve.srt.layers.quant.path_choice import (
     LARGE_ACTIVATIONS,
     QUANTIZATIONS,
     check_float32_impl,
+    check_large_activations,
 )
 from airserve.srt.model_executor.graph_runners.registry import (
     COMPILE_BACKENDS,
@@ -240,10 +241,7 @@ class ServerArgs:
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if not 0 <= self.packed_decode_max_bs <= 16:
             raise ValueError(f"packed_decode_max_bs={self.packed_decode_max_bs}: must be 0..16")
-        if self.cpu_large_activations not in LARGE_ACTIVATIONS:
-            raise ValueError(f"cpu_large_activations="
-                             f"{self.cpu_large_activations!r}: choose one of "
-                             f"{', '.join(LARGE_ACTIVATIONS)}")
+        check_large_activations(self.cpu_large_activations)
         if self.cpu_decode_activations not in ("float32", "int8", "int16", "auto"):
             raise ValueError(f"cpu_decode_activations={self.cpu_decode_activations!r}: "
                              "choose float32, int8, int16 or auto")

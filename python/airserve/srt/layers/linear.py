@@ -38,7 +38,6 @@ from airserve.srt.layers.quant.matmul_paths import (
     AUTO_LARGE_INT8_ROLES,
     FLOAT32_IMPLS,
     INT8_PATHS,
-    LARGE_ACTIVATIONS,
     PATHS,
     Bf16Weight,
     Float32Weight,
@@ -46,6 +45,7 @@ from airserve.srt.layers.quant.matmul_paths import (
     Int8Weight,
     auto_large_int8_layer,
     bf16_linear,
+    check_large_activations,
     fp16_weight_linear,
     gemm_int8_blocks,
     onednn_linear,
@@ -255,7 +255,7 @@ class Linear(nn.Linear):
         float32 gave the answer back."""
         blocks = None
         if on:
-            if self.packed_kinds != ("q4_1",) or self.out_features % 16:
+            if not self.int8_blocks_shape:
                 raise ValueError("int8_blocks multiplies Q4_1 blocks (Q4_0 files too) of a layer "
                                  "with a multiple of 16 outputs; this layer has "
                                  f"{self.packed_kind or 'no blocks'}, {self.out_features} outputs")
@@ -263,6 +263,12 @@ class Linear(nn.Linear):
             blocks = pack_int8_blocks(packed.values(), packed.d, packed.m)
         self.register_buffer("weight_int8_blocks", blocks, persistent=False)
         self.large_int8 = on
+
+    @property
+    def int8_blocks_shape(self) -> bool:
+        """Whether int8_blocks can multiply this layer: Q4_1 blocks (Q4_0 files too) and a
+        multiple of 16 outputs (the kernel's tiles)."""
+        return self.packed_kinds == ("q4_1",) and self.out_features % 16 == 0
 
     def takes_int8_blocks(self, setting: str, model_path: str, layer_index: int | None = None,
                           n_layers: int = 0) -> bool:
@@ -273,11 +279,8 @@ class Linear(nn.Linear):
         whose role AUTO_LARGE_INT8_ROLES names (gate/up, down) beside float16_weights, the one
         path it was measured against, and whose decoder layer `layer_index` of `n_layers` is
         not at the model's ends (auto_large_int8_layer; path_choice says why)."""
-        if setting not in LARGE_ACTIVATIONS:
-            raise ValueError(f"cpu_large_activations={setting!r}: choose one of "
-                             f"{', '.join(LARGE_ACTIVATIONS)}")
-        if (setting == "float" or self.packed_kinds != ("q4_1",) or not self.packed_max_rows
-                or self.out_features % 16):
+        check_large_activations(setting)
+        if setting == "float" or not self.int8_blocks_shape or not self.packed_max_rows:
             return False
         return setting == "int8" or (model_path == "float16_weights"
                                      and self.packed_role in AUTO_LARGE_INT8_ROLES
@@ -416,12 +419,12 @@ def packed_report(layers: list[Linear]) -> dict:
     if {"auto", "int16"} & set(activations):  # what each kind's products use for decode rows
         report["activations_by_kind"] = {k: a for k, a in sorted(resolved)}
     if packed:
-        large_int8 = {_activations_label(kind, m.packed_role) for m in packed
-                      if m.large_int8 for kind in m.packed_kinds}
+        labels = [{_activations_label(kind, m.packed_role) for kind in m.packed_kinds}
+                  for m in packed]
+        large_int8 = set().union(*(ls for m, ls in zip(packed, labels) if m.large_int8))
         # Layers of those kinds and roles left on the large path (auto: the model's ends).
-        held_back = sum(not m.large_int8 and any(_activations_label(kind, m.packed_role)
-                                                 in large_int8 for kind in m.packed_kinds)
-                        for m in packed)
+        held_back = sum(not m.large_int8 and bool(ls & large_int8)
+                        for m, ls in zip(packed, labels))
         report["activations_rule"] = activations_rule(resolved, large_int8, held_back)
     activations = {a for _, a in resolved} | ({"float32"} if packed else set())  # extends
     if "int8" in activations:

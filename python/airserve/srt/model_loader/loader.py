@@ -101,7 +101,7 @@ def load_model(model_path: str | None, dtype: str, device: str,
     embedding reads). w8a8_int8_outliers first finds each layer's `int8_outlier_channels`
     (None: matmul_paths.DEFAULT_OUTLIER_CHANNELS) outlier input channels by a calibration
     prefill (quant.int8_calibration). `large_activations` (--cpu-large-activations) gives
-    some Q4_1 layers int8_blocks beside it (`Linear.takes_int8_blocks`, `set_large_int8`).
+    some Q4_1 layers int8_blocks beside it (`int8_blocks_layers`, `Linear.set_large_int8`).
     """
     path = resolve_model_path(model_path)
     gguf = None  # parsed once: config, weights and packed blocks all come from it
@@ -208,8 +208,9 @@ def decoder_layer_index(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def int8_blocks_layers(model: torch.nn.Module, large_activations: str, path: str) -> list[str]:
-    """The module names of the linear layers that take int8_blocks under
+def int8_blocks_layers(model: torch.nn.Module, large_activations: str, path: str
+                       ) -> list[tuple[str, torch.nn.Module]]:
+    """(module name, layer) of the linear layers that take int8_blocks under
     --cpu-large-activations `large_activations` when the large path is `path`
     (`Linear.takes_int8_blocks`, each with its decoder layer's place in the stack)."""
     from airserve.srt.layers.linear import Linear
@@ -217,7 +218,7 @@ def int8_blocks_layers(model: torch.nn.Module, large_activations: str, path: str
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     indices = [decoder_layer_index(n) for n, _ in layers]
     n_layers = max((i for i in indices if i is not None), default=-1) + 1
-    return [n for (n, m), i in zip(layers, indices)
+    return [(n, m) for (n, m), i in zip(layers, indices)
             if m.takes_int8_blocks(large_activations, path, i, n_layers)]
 
 
@@ -236,7 +237,6 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
     embeddings = (torch.nn.Embedding, VocabParallelEmbedding)
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, embeddings)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    layers_by_name = dict(layers)
     fp16 = {}  # fbgemm packs on one core: the float16 weights a layer per thread
     if path == "float16_weights":
         sources = [(n, m) for n, m in layers if m.has_weight_source]
@@ -248,10 +248,11 @@ def set_large_path(model: torch.nn.Module, path: str, float32_impl: str = "sgemm
         layer.set_large_path(path, keep_float=tied, float32_impl=float32_impl,
                              outliers=(outliers or {}).get(name), fp16_prepacked=fp16.get(name))
     residual = sorted({n.rsplit(".", 1)[-1] for n in outliers or {}}) if path == "bfloat16" else []
-    chosen = int8_blocks_layers(model, large_activations, path)
-    for name in chosen:
-        layers_by_name[name].set_large_int8(True)
-    int8 = sorted({name.rsplit(".", 1)[-1] for name in chosen})
+    roles = set()
+    for name, layer in int8_blocks_layers(model, large_activations, path):
+        layer.set_large_int8(True)
+        roles.add(name.rsplit(".", 1)[-1])
+    int8 = sorted(roles)
     logger.info("linear layers multiply inputs above the packed limit through %s%s%s%s", path,
                 f" ({float32_impl})" if path == "float32" else "",
                 f" ({', '.join(residual)} with float32 residual channels)" if residual else "",

@@ -78,6 +78,7 @@ from airserve.srt.layers.quant.path_choice import (  # noqa: F401 - re-exported
     auto_large_int8_layer,
     auto_path,
     check_float32_impl,
+    check_large_activations,
     choose_float32_impl,
     choose_large_path,
     cpu_has_bf16,

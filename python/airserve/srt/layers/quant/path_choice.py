@@ -46,6 +46,14 @@ AUTO_LARGE_INT8_ROLES = frozenset({"gate_up_proj", "down_proj"})
 AUTO_LARGE_INT8_EDGE_DIVISOR = 8
 
 
+def check_large_activations(setting: str) -> None:
+    """Raise ValueError naming the flag for a --cpu-large-activations value not in
+    LARGE_ACTIVATIONS."""
+    if setting not in LARGE_ACTIVATIONS:
+        raise ValueError(f"cpu_large_activations={setting!r}: choose one of "
+                         f"{', '.join(LARGE_ACTIVATIONS)}")
+
+
 def auto_large_int8_layer(index: int | None, n_layers: int) -> bool:
     """Whether decoder layer `index` of `n_layers` (None: a layer outside the decoder stack)
     is one where --cpu-large-activations auto may take int8_blocks: not in the first or last
