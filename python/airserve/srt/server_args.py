@@ -578,7 +578,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "and prefill rows (not the rows whose logits are read): int8 (the "
                         "layer's blocks with int8 activations per block of 32, in every Q4_1 "
                         "layer), float (the large path's own arithmetic) or auto (the default: "
-                        "int8 in the gate/up and down projections where the large path is "
+                        "int8 in the gate/up and down projections, but those of the first and "
+                        "last eighth of the decoder layers, where the large path is "
                         "float16_weights)")
     g.add_argument("--cpu-float32-matmul", choices=("auto", "onednn", "sgemm"),
                    default=d.cpu_float32_matmul,
