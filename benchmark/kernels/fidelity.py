@@ -185,19 +185,21 @@ def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.T
 
 
 @contextlib.contextmanager
-def auto_int8_kinds(kinds: frozenset[str] | None):
-    """Within the block, "auto" takes int8 for `kinds` (None: the shipped rule). The rule is
-    read when each product runs (block_matvec.resolve_activations), so this swaps it for the
-    run and puts the shipped one back."""
+def auto_int8_kinds(kinds: frozenset[str] | None, int16_kinds: frozenset[str] | None = None):
+    """Within the block, "auto" takes int8 for `kinds` and int16 for `int16_kinds` (None: the
+    shipped rule). The rules are read when each product runs (block_matvec.resolve_activations),
+    so this swaps them for the run and puts the shipped ones back."""
     from airserve.srt.layers.quant import block_matvec
 
-    shipped = block_matvec.AUTO_INT8_KINDS
+    shipped = block_matvec.AUTO_INT8_KINDS, block_matvec.AUTO_INT16_KINDS
     if kinds is not None:
         block_matvec.AUTO_INT8_KINDS = kinds
+    if int16_kinds is not None:
+        block_matvec.AUTO_INT16_KINDS = int16_kinds
     try:
         yield
     finally:
-        block_matvec.AUTO_INT8_KINDS = shipped
+        block_matvec.AUTO_INT8_KINDS, block_matvec.AUTO_INT16_KINDS = shipped
 
 
 def default_tokens(n_tokens: int) -> tuple[object, list[int]]:
@@ -219,7 +221,8 @@ def split(tokens: list[int], batch: int) -> list[list[int]]:
 
 def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None = None,
           activations: tuple[str, ...] = ("int8", "auto"),
-          auto_kinds: frozenset[str] | None = None) -> dict:
+          auto_kinds: frozenset[str] | None = None,
+          auto_int16_kinds: frozenset[str] | None = None) -> dict:
     """Run every scheme with float32 activations, then with each of `activations` ("int8":
     every packed layer; "auto": what --cpu-decode-activations auto runs, int8 only for the
     kinds block_matvec.resolve_activations gives it, or for `auto_kinds` if given), int8 on
@@ -239,7 +242,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
             set_activations(runner.model, act)
             for isa in isas or [block_matvec.int8_isas()[0]]:
                 block_matvec.use_int8_isa(isa)
-                with auto_int8_kinds(auto_kinds if act == "auto" else None):
+                with auto_int8_kinds(auto_kinds if act == "auto" else None,
+                                     auto_int16_kinds if act == "auto" else None):
                     top1, logp = teacher_forced(runner, seqs)
                 int8_kinds = sorted(auto_kinds if auto_kinds is not None
                                     else block_matvec.AUTO_INT8_KINDS)
@@ -249,7 +253,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
                 ppl = math.exp(-logp.mean().item())
                 agree = (top1 == ref_top1).float().mean().item()
                 change = abs(ppl / ref_ppl - 1)
-                int16_kinds = (sorted(block_matvec.AUTO_INT16_KINDS)
+                int16_kinds = (sorted(auto_int16_kinds if auto_int16_kinds is not None
+                                      else block_matvec.AUTO_INT16_KINDS)
                                if act == "auto" and block_matvec.int16_measured_here()
                                else sorted(block_matvec.INT16_KINDS) if act == "int16" else [])
                 rows.append({"scheme": scheme, "activations": act, "isa": isa,
@@ -521,6 +526,10 @@ def main() -> None:
     p.add_argument("--auto-int8-kinds", nargs="+", default=None,
                    help="run auto with int8 for these kinds only (a candidate rule; default: "
                         "block_matvec.AUTO_INT8_KINDS)")
+    p.add_argument("--auto-int16-kinds", nargs="+", default=None,
+                   help="run auto with int16 for these kinds (where int16 runs: decode batches "
+                        "of at most block_matvec.INT16_MAX_ROWS rows, so pair it with --batch 2; "
+                        "default: block_matvec.AUTO_INT16_KINDS)")
     p.add_argument("--int8-roles", nargs="+", default=[],
                    help="also run int8 in the layers of these roles only, float32 elsewhere: "
                         "each a role set, e.g. gate_up_proj gate_up_proj+o_proj (roles: "
@@ -573,7 +582,8 @@ def main() -> None:
     isas = block_matvec.int8_isas() if a.all_isas else [a.isa] if a.isa else None
     activations = tuple(a.activations) + tuple(f"roles:{r}" for r in a.int8_roles)
     report = check(a.schemes, a.tokens, a.batch, isas, activations,
-                   frozenset(a.auto_int8_kinds) if a.auto_int8_kinds else None)
+                   frozenset(a.auto_int8_kinds) if a.auto_int8_kinds else None,
+                   frozenset(a.auto_int16_kinds) if a.auto_int16_kinds else None)
     print_table(report)
     _write(a.json, report)
     raise SystemExit(0 if report["passed"] else 1)

@@ -14,7 +14,7 @@ saw: inductor's own kernels and the generated wrapper's Python). JSON with `--js
 on a shared machine is noisy.
 
     python benchmark/runners/profile_step.py [--inductor cpp_wrapper=True] [--steps 100]
-        [--profile-steps 20] [--threads 2] [--buckets 1] [--json F]
+        [--profile-steps 20] [--threads 2] [--buckets 1] [--model-path F] [--json F]
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def build(a: argparse.Namespace, options: dict, runner_from=None):
     from airserve.srt.model_executor.model_runner import ModelRunner
     from airserve.srt.server_args import ServerArgs
 
+    extra = {"model_path": a.model_path} if a.model_path else {}
     args = ServerArgs(enable_torch_compile=True, cuda_graph_bs=tuple(a.buckets),
-                      num_threads=a.threads, max_total_tokens=4096)
+                      num_threads=a.threads, max_total_tokens=4096, **extra)
     saved = dict(cpu.INDUCTOR_OPTIONS)
     cpu.INDUCTOR_OPTIONS.update(options)
     t0 = time.perf_counter()
@@ -139,6 +140,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=20,
                    help="steps under torch.profiler (0: none)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-path", default=None,
+                   help="another GGUF or HF directory (default: the default model)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from bench_decode_step import Batch
@@ -164,6 +167,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": host_cpu()[0], "threads": a.threads, "buckets": a.buckets,
+                       "model": Path(a.model_path).name if a.model_path else "default",
                        "note": "shared machine: figures are noisy", "rows": rows}, f, indent=2)
     for row in rows:
         print(f"{row['variant']}: build {row['build_s']:.1f} s (capture {row['capture_s']:.1f} s);"

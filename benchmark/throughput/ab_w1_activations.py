@@ -4,9 +4,11 @@ sides: profile_w2.ab_rounds), so that the machine's drift between minutes hits e
 alike.
 
 Each `--side NAME=RULE` builds an Engine in compile mode (the CPU graph runner, bucket 1) with
-`--cpu-decode-activations` RULE: `float32`, `int8`, `int16`, `auto`, or `auto-no-int16` (auto as
+`--cpu-decode-activations` RULE: `float32`, `int8`, `int16`, `auto`, `auto-no-int16` (auto as
 it was before int16 activations: int8 in the Q4_1 / Q8_0 gate/up projections, float32 in the
-other Q4_1 layers; block_matvec.AUTO_INT16_KINDS emptied while that engine builds and runs).
+other Q4_1 layers; block_matvec.AUTO_INT16_KINDS emptied while that engine builds and runs), or
+`auto-int16:KIND+KIND` (auto with int16 for those kinds only, e.g. `auto-int16:q4_1+q4_k+q6_k`,
+a candidate rule against the shipped one).
 Prints each side's median decode tok/s and its ratio to the first side's, and writes JSON.
 
     python benchmark/throughput/ab_w1_activations.py --side before=auto-no-int16 \
@@ -38,6 +40,8 @@ def rule(name: str):
     shipped = block_matvec.AUTO_INT16_KINDS
     if name == "auto-no-int16":
         block_matvec.AUTO_INT16_KINDS = frozenset()
+    elif name.startswith("auto-int16:"):
+        block_matvec.AUTO_INT16_KINDS = frozenset(name.split(":", 1)[1].split("+"))
     try:
         yield
     finally:
@@ -46,7 +50,7 @@ def rule(name: str):
 
 def parse_side(text: str) -> tuple[str, str]:
     name, _, value = text.partition("=")
-    if not name or value not in RULES:
+    if not name or (value not in RULES and not value.startswith("auto-int16:")):
         raise argparse.ArgumentTypeError(f"--side {text!r}: NAME=RULE, RULE one of {RULES}")
     return name, value
 
@@ -79,7 +83,7 @@ def main() -> int:
         engine_args = argparse.Namespace(
             mode="compile", path="auto", num_prompts=1, input_len=args.input_len,
             num_threads=args.num_threads, graph_bs=[1],
-            server_arg=[f"cpu_decode_activations={value.replace('-no-int16', '')}", *model])
+            server_arg=[f"cpu_decode_activations={value.split('-')[0]}", *model])
         with rule(value):
             engines[name] = (engine_args, profile_w2.build_engine(engine_args))
         print(f"built {name}: {value}", flush=True)

@@ -252,7 +252,7 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
     from airserve.srt.layers.linear import packed_report
 
     assert block_matvec.AUTO_INT8_KINDS == {"q5_0"}
-    assert block_matvec.AUTO_INT16_KINDS == {"q4_1", "q4_k", "q6_k"}
+    assert block_matvec.AUTO_INT16_KINDS == {"q4_1", "q8_0", "q4_k", "q6_k"}
     for kind in KINDS:
         want = ("int8" if kind in block_matvec.AUTO_INT8_KINDS
                 else "int16" if kind in block_matvec.AUTO_INT16_KINDS
@@ -285,8 +285,8 @@ def test_auto_activations_follow_the_fidelity_kinds() -> None:
 
 def test_auto_activations_follow_the_layer_role() -> None:
     """Q4_1 and Q8_0 take int8 under auto in the roles AUTO_INT8_ROLES names (the merged
-    gate/up projection); elsewhere Q4_1 takes int16 (AUTO_INT16_KINDS, on CPUs where it was
-    measured faster) and Q8_0 float32; the report names the kind by role."""
+    gate/up projection); elsewhere int16 (AUTO_INT16_KINDS, on CPUs where it was measured
+    faster, else float32); the report names the kind by role."""
     from airserve.srt.layers.linear import packed_report
 
     assert block_matvec.AUTO_INT8_ROLES == {"q4_1": {"gate_up_proj"}, "q8_0": {"gate_up_proj"}}
@@ -294,8 +294,7 @@ def test_auto_activations_follow_the_layer_role() -> None:
     for kind in ("q4_1", "q8_0"):
         assert block_matvec.resolve_activations("auto", kind, "gate_up_proj") == "int8"
         for role in ("", "qkv_proj", "o_proj", "down_proj", "lm_head"):
-            assert block_matvec.resolve_activations("auto", kind, role) == (
-                other if kind == "q4_1" else "float32")
+            assert block_matvec.resolve_activations("auto", kind, role) == other
     assert block_matvec.resolve_activations("auto", "q6_k", "gate_up_proj") == other
     assert block_matvec.resolve_activations("float32", "q4_1", "gate_up_proj") == "float32"
     w = any_packed("q4_1", 24, 256, seed=4)

@@ -1,4 +1,4 @@
-// Q4_1 products with int16 activations, for decode (at most 16 rows).
+// Q4_1 and Q8_0 products with int16 activations, for decode (at most 16 rows).
 //
 // Each row of x is quantized per block of 32 to int16: xd = max|x| / 32767, xq = round(x / xd),
 // so an activation's error is at most xd / 2, ~1.5e-5 of its block's largest value (int8
@@ -20,6 +20,12 @@
 // that order ([x0 x2 .. x14 | x1 x3 .. x15], then the same for 16..31), so one vpmaddwd per
 // half-block pairs them up; the high half's factor of 256 is the same in every block and
 // leaves at the end (an exact power-of-two scale). Lane sums stay below 2^29.
+//
+// Q8_0 (value = d * q, q int8): a block's product is d * xd * sum(q * xq), |q * xq| < 2^22; the
+// activations stay in their own order (natural_of) and the AVX2 loop sign-extends the block's
+// two halves of 16 bytes to int16 lanes that pair with them. The float32 Q8_0 product
+// (block_matvec.cpp) widens each value to int32 and then to float before its FMA: three
+// instructions a value where this loop takes two multiply-adds a block.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -53,6 +59,26 @@ inline int lane_of(int j) {
 
 void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
   airserve_int16::quantize_row_portable(x, K, xq, xd, xs, lane_of);
+}
+
+inline int natural_of(int j) { return j; }
+
+void quantize_row_natural(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
+  airserve_int16::quantize_row_portable(x, K, xq, xd, xs, natural_of);
+}
+
+// Plain C++ Q8_0: the same integer sums as the AVX2 loop, per block.
+void column_portable_q8_0(const int8_t* q, const at::Half* d, int64_t nb, const Row& x,
+                          float* out) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* qb = q + b * kBlock;
+    const int16_t* xb = x.xq + b * kBlock;
+    int32_t s = 0;
+    for (int j = 0; j < kBlock; ++j) s += static_cast<int32_t>(qb[j]) * xb[j];
+    acc += static_cast<float>(d[b]) * x.xd[b] * static_cast<float>(s);
+  }
+  *out = acc;
 }
 
 // Plain C++ (any CPU, and the tests' second opinion): the same integer sums, per block.
@@ -104,6 +130,50 @@ void quantize_row(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16), hi);
   }
+}
+
+// quantize_row_natural's values.
+void quantize_row_natural(const float* x, int64_t K, int16_t* xq, float* xd, float* xs) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m256i lo, hi;
+    airserve_int16::quantize_block_avx2<true>(x + b * kBlock, &lo, &hi, xd + b, xs + b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16), hi);
+  }
+}
+
+// T rows of x times one Q8_0 weight column (its nb blocks of 32 int8).
+template <int T>
+void column_q8_0(const int8_t* q, const at::Half* d, int64_t nb, const Row* x, float* out,
+                 int64_t ldo) {
+  __m256 acc0[T], acc1[T];
+  for (int r = 0; r < T; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  alignas(32) float scale[T][8];
+  const auto block = [&](int64_t b, int i, __m256(&acc)[T]) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q + kBlock * b);
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
+    for (int r = 0; r < T; ++r) {
+      const int16_t* xb = x[r].xq + kBlock * b;
+      const __m256i s = _mm256_add_epi32(
+          _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+          _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&scale[r][i]), acc[r]);
+    }
+  };
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t count = std::min<int64_t>(8, nb - b0);
+    const __m256 dv = load_half8(d + b0, count);
+    for (int r = 0; r < T; ++r)
+      _mm256_store_ps(scale[r], _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].xd + b0)));
+    int i = 0;
+    for (; i + 2 <= count; i += 2) {
+      block(b0 + i, i, acc0);
+      block(b0 + i + 1, i + 1, acc1);
+    }
+    if (i < count) block(b0 + i, i, acc0);
+  }
+  for (int r = 0; r < T; ++r) out[r * ldo] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 // T rows of x times one weight column (its nb blocks).
@@ -204,6 +274,63 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
   return out;
 }
 
+at::Tensor q8_0_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                bool vector) {
+  const char* name = "airserve::q8_0_matmul_i16";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              ": x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, name, ": at least 1 and at most ", kMaxRows,
+              " rows, got ", M);
+  TORCH_CHECK(K % kBlock == 0, name, ": K=", K, " is not a multiple of ", kBlock);
+  const int64_t nb = K / kBlock;
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.size(1) == K &&
+                  qs.is_contiguous(),
+              name, ": qs must be contiguous int8 [N, ", K, "]");
+  const int64_t N = qs.size(0);
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.size(0) == N && d.size(1) == nb,
+              name, ": d must be contiguous float16 [", N, ", ", nb, "]");
+#ifdef AIRSERVE_I16_AVX2
+  vector = vector && airserve_int16::avx2_here();
+  const auto quantize = vector ? i16_avx2::quantize_row_natural : quantize_row_natural;
+#else
+  vector = false;
+  const auto quantize = quantize_row_natural;
+#endif
+  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K, quantize);
+  const Row* rows = quantized.rows();
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const int8_t* q = qs.data_ptr<int8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* qn = q + n * K;
+      const at::Half* dn = dp + n * nb;
+#ifdef AIRSERVE_I16_AVX2
+      if (vector) {
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) i16_avx2::column_q8_0<2>(qn, dn, nb, &rows[r], o + r * N + n, N);
+        if (r < M) i16_avx2::column_q8_0<1>(qn, dn, nb, &rows[r], o + r * N + n, N);
+        continue;
+      }
+#endif
+      for (int64_t r = 0; r < M; ++r) column_portable_q8_0(qn, dn, nb, rows[r], o + r * N + n);
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_0_matmul_i16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  return q8_0_matmul_i16_impl(x, qs, d, true);
+}
+
+at::Tensor q8_0_matmul_i16_portable(const at::Tensor& x, const at::Tensor& qs,
+                                    const at::Tensor& d) {
+  return q8_0_matmul_i16_impl(x, qs, d, false);
+}
+
 at::Tensor q4_1_matmul_i16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                            const at::Tensor& m) {
   return q4_1_matmul_i16_impl(x, qs, d, m, true);
@@ -219,4 +346,6 @@ at::Tensor q4_1_matmul_i16_portable(const at::Tensor& x, const at::Tensor& qs,
 TORCH_LIBRARY_IMPL(airserve, CPU, lib) {
   lib.impl("q4_1_matmul_i16", &q4_1_matmul_i16);
   lib.impl("q4_1_matmul_i16_portable", &q4_1_matmul_i16_portable);
+  lib.impl("q8_0_matmul_i16", &q8_0_matmul_i16);
+  lib.impl("q8_0_matmul_i16_portable", &q8_0_matmul_i16_portable);
 }

@@ -100,6 +100,9 @@ inline float hsum8(__m256 v) {
 // 16..31 in `hi`, and in each eight of them the evens before the odds: lo = [x0 x2 x4 x6 x8
 // x10 x12 x14 | x1 x3 .. x15] (packs interleaves the two int32 vectors per 128-bit half).
 // *xd and *xs take the block's scale and sum.
+// With kNatural the values come in their own order instead, lo = [x0 x1 .. x15], hi = [x16 ..
+// x31] (the order of a sign-extended int8 block, block_int16.cpp's Q8_0 product).
+template <bool kNatural = false>
 inline void quantize_block_avx2(const float* xb, __m256i* lo, __m256i* hi, float* xd,
                                 float* xs) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -116,11 +119,16 @@ inline void quantize_block_avx2(const float* xb, __m256i* lo, __m256i* hi, float
   const float top = _mm_cvtss_f32(m4);
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
   __m256i q[4];
-  for (int j = 0; j < 4; ++j)
-    q[j] = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)),
-                                       evens_odds);
+  for (int j = 0; j < 4; ++j) {
+    q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    if (!kNatural) q[j] = _mm256_permutevar8x32_epi32(q[j], evens_odds);
+  }
   *lo = _mm256_packs_epi32(q[0], q[1]);
   *hi = _mm256_packs_epi32(q[2], q[3]);
+  if (kNatural) {  // packs gave [a0..a3 b0..b3 | a4..a7 b4..b7]: put the 64-bit quarters back
+    *lo = _mm256_permute4x64_epi64(*lo, 0xD8);
+    *hi = _mm256_permute4x64_epi64(*hi, 0xD8);
+  }
   *xd = top / 32767.f;
 }
 

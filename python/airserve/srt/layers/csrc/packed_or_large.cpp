@@ -50,9 +50,13 @@ at::Tensor packed(const at::Tensor& x, const std::string& kind, const std::strin
     static const auto i16_k_op = c10::Dispatcher::singleton()
         .findSchemaOrThrow("airserve::block_matmul_i16", "")
         .typed<at::Tensor(const at::Tensor&, const std::string&, const at::Tensor&)>();
+    static const auto i16_q8_0_op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("airserve::q8_0_matmul_i16", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
     if (kind == "q4_1") return i16_op.call(x, qs, *d, *m);
+    if (kind == "q8_0") return i16_q8_0_op.call(x, qs, *d);
     TORCH_CHECK(kind == "q4_k" || kind == "q6_k", "airserve::packed_or_large: int16 activations "
-                "are for q4_1, q4_k and q6_k blocks, not ", kind);
+                "are for q4_1, q8_0, q4_k and q6_k blocks, not ", kind);
     return i16_k_op.call(x, kind, qs);
   }
   if (kind == "q4_1") return q4_1_op.call(x, qs, *d, *m);

@@ -11,7 +11,7 @@ Every other kind the loader keeps packed (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `RAW_KIN
 the GGUF blocks' raw bytes and served by `csrc/block_int8.cpp`, in float32 or, for either form,
 with int8 activations (`activations="int8"`: each row quantized per block of 32, integer dot
 products with the blocks; AVX-512 VNNI, AVX-VNNI, AVX2 or portable code, chosen at run time);
-Q4_1, Q4_K and Q6_K also with int16 activations (`activations="int16"`, `csrc/block_int16.cpp`
+Q4_1, Q8_0, Q4_K and Q6_K also with int16 activations (`activations="int16"`, `csrc/block_int16.cpp`
 and `csrc/block_int16_k.cpp`: AVX2 or portable code);
 `activations="auto"` (the server default) picks per kind
 (`resolve_activations`). The server uses int8 for decode rows only: extend rows always take
@@ -35,6 +35,8 @@ _lib.define("q4_1_matmul(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q8_0_matmul(Tensor x, Tensor qs, Tensor d) -> Tensor")
 _lib.define("q4_1_matmul_i16(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
 _lib.define("q4_1_matmul_i16_portable(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor")
+_lib.define("q8_0_matmul_i16(Tensor x, Tensor qs, Tensor d) -> Tensor")
+_lib.define("q8_0_matmul_i16_portable(Tensor x, Tensor qs, Tensor d) -> Tensor")
 _lib.define("block_matmul_i16(Tensor x, str kind, Tensor qs) -> Tensor")
 _lib.define("block_matmul_i16_portable(Tensor x, str kind, Tensor qs) -> Tensor")
 _lib.define("block_matmul_int8(Tensor x, str kind, Tensor qs, Tensor? d, Tensor? m) -> Tensor")
@@ -51,7 +53,7 @@ ACTIVATIONS = ("float32", "int8", "int16", "auto")
 # block's largest value), integer multiply-adds with the block values. "int16" asked of another
 # kind multiplies in float32 (resolve_activations; /get_server_info's activations_by_kind shows
 # which).
-INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
+INT16_KINDS = frozenset({"q4_1", "q8_0", "q4_k", "q6_k"})
 # Kinds whose products take int8 activations under "auto": int8 passed the fidelity check
 # (benchmark/kernels/fidelity.py, ~2,000 tokens: top-1 agreement with float32 >= 98%, perplexity
 # within 1%) and is faster than float32. The default model's Q4_1 file (Q4_1 layers, Q8_0
@@ -107,7 +109,18 @@ AUTO_INT8_ROLES: dict[str, frozenset[str]] = {"q4_1": frozenset({"gate_up_proj"}
 # gave 98.54%), the Q6_K mix under auto 99.05% / -0.08%, int16 in every K-quant layer 99.95%
 # both (benchmark/kernels/results/fidelity_k_quants_int16_auto_amd_epyc_zen3_avx2.json). Their
 # int16 products are 1.4-2.2x the float32 ones there (csrc/block_int16_k.cpp).
-AUTO_INT16_KINDS = frozenset({"q4_1", "q4_k", "q6_k"})
+# Q8_0 outside gate/up (q/k/v and o of a Q6_K file's 576-wide layers, the lm_head of every file
+# here): its int16 product (csrc/block_int16.cpp) is 1.2-1.6x the float32 one on the same Zen 3
+# VM, 2 threads, weights hot (one row: [49152, 576] 1142 -> 808 us, [960, 576] 33.5 -> 26.9,
+# [576, 576] 25.1 -> 16.2). Fidelity with two sequences side by side, where int16 runs
+# (`fidelity.py --schemes Q4_1 Q4_K_M Q6_K Q8_0 --activations auto --batch 2
+# --auto-int16-kinds ...`), top-1 without / with Q8_0 int16: Q4_1 99.05 / 99.00%, Q4_K_M
+# 98.20 / 98.15%, Q6_K 98.50 / 98.65%, Q8_0 99.00 / 98.85% (a token or three of 1,998;
+# benchmark/kernels/results/fidelity_q8_0_int16_batch2_amd_epyc_zen3_avx2.json). W1 in one
+# process, 6 alternating rounds (benchmark/throughput/ab_w1_activations.py): Q6_K file 103.9 ->
+# 111.8 tok/s (median of per-round ratios 1.03x), the default Q4_1 file 134.9 -> 136.7 (1.00x:
+# its only Q8_0 layer, the lm_head, streams from memory at about the same pace either way).
+AUTO_INT16_KINDS = frozenset({"q4_1", "q8_0", "q4_k", "q6_k"})
 # The int16 products serve decode batches of at most this many rows; larger ones multiply in
 # float32 whatever the setting (more exact, and faster there). Each extra row costs the int16
 # loop a vpmaddwd pair, a conversion and an FMA per block (~28 us a row for [1536, 576] Q4_1 on
@@ -164,6 +177,11 @@ def _q4_1_i16_fake(x, qs, d, m):
 
 @torch.library.register_fake("airserve::q8_0_matmul")
 def _q8_0_fake(x, qs, d):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("airserve::q8_0_matmul_i16")
+def _q8_0_i16_fake(x, qs, d):
     return x.new_empty(x.shape[0], qs.shape[0])
 
 
@@ -254,6 +272,8 @@ def block_matmul(x: torch.Tensor, kind: str, qs: torch.Tensor, d: torch.Tensor |
     if act == "int16":  # resolve_activations: INT16_KINDS only
         if kind == "q4_1":
             return torch.ops.airserve.q4_1_matmul_i16(x, qs, d, m)
+        if kind == "q8_0":
+            return torch.ops.airserve.q8_0_matmul_i16(x, qs, d)
         return torch.ops.airserve.block_matmul_i16(x, kind, qs)
     if kind == "q4_1":
         return torch.ops.airserve.q4_1_matmul(x, qs, d, m)
