@@ -9,7 +9,14 @@ generation of the prompt (TTFT) and the time of the full 256-token generation; d
   or `launch_server` with the requests posted to /generate); the graph runners capture bs 1;
 - `llama-cpp`: llama-cpp-python (`pip install -e ".[peers]"`; it builds llama.cpp from
   source) on the default model's GGUF, flash attention on, the KV cache reset before every
-  generation.
+  generation;
+- `ov-llm:<fp32|int8|int4>` / `ov-genai:<...>`: OpenVINO GenAI's own pipelines (`LLMPipeline`,
+  its stateful one-stream pipeline, or `ContinuousBatchingPipeline`) on an IR exported from the
+  default model (`--ov-python`, `--ov-models`: bench_w2.py; int4 with `export_ov_model.py
+  --weight-formats int4`). Not the same file as the others (optimum-intel quantizes the
+  dequantized weights its own way), so its ratio says what OpenVINO itself reaches for one
+  stream on this CPU, the ceiling of the `airserve:openvino` runner's backend, not a
+  like-for-like comparison.
 
 `--gguf-type Q4_K_M` (or Q5_K_M, Q6_K, Q8_0, ...) runs every configuration on another GGUF of
 the default model, made once by llama.cpp's own quantizer from the packaged Q4_1 file (so its

@@ -10,7 +10,8 @@ one after another (never two at once on the same cores), with the same thread co
 - `served:<mode>`: `launch_server` in that mode, all requests posted to /generate at once;
 - `ov-genai:<fp32|int8>`: OpenVINO GenAI's ContinuousBatchingPipeline on the default model
   exported to IR (`bash scripts/setup_ov_genai.sh` makes the venv and the export; pass its python
-  with --ov-python and the export directory with --ov-models).
+  with --ov-python and the export directory with --ov-models); `ov-llm:<...>`: its one-stream
+  `LLMPipeline` (one prompt: bench_w1.py);
 
 Per configuration: output tok/s over the W2 wall time, wall time, median TTFT of a lone 32-token
 prompt (a 1-token generation, after warm-up), peak RSS (the engine's whole process tree,
@@ -242,12 +243,13 @@ def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path)
     kind, _, variant = config.partition(":")
     job = dict(base_job)
     name = config.replace(":", "_").replace("+", "_")
-    if kind == "ov-genai":
+    if kind in ("ov-genai", "ov-llm"):
         if not args.ov_python:
             raise RuntimeError("--ov-python is not set (bash scripts/setup_ov_genai.sh)")
         job.update(model_dir=str(Path(args.ov_models).expanduser() / variant),
                    max_num_batched_tokens=args.ov_max_num_batched_tokens,
-                   kv_cache_gb=args.ov_kv_cache_gb, precision=args.ov_precision)
+                   kv_cache_gb=args.ov_kv_cache_gb, precision=args.ov_precision,
+                   pipeline="llm" if kind == "ov-llm" else "continuous_batching")
         worker = str(Path(__file__).with_name("ov_genai_worker.py"))
         return run_child([args.ov_python, worker], job, tmp, name, args.timeout)
     variant, _, path = variant.partition("+")
@@ -262,7 +264,8 @@ def run_config(config: str, base_job: dict, args: argparse.Namespace, tmp: Path)
         return run_child(cmd, job, tmp, name, args.timeout)
     if kind == "served":
         return run_served(variant, job, args, tmp)
-    raise RuntimeError(f"unknown configuration kind {kind!r} (airserve, served, ov-genai)")
+    raise RuntimeError(f"unknown configuration kind {kind!r} (airserve, served, ov-genai, "
+                       "ov-llm)")
 
 
 def same_share(a: list[list[int]], b: list[list[int]]) -> float:

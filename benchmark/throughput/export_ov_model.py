@@ -2,7 +2,9 @@
 
 transformers reads the GGUF (dequantizing its blocks to float32: the same values airserve
 multiplies), saves a HF directory, and optimum-intel exports it twice: fp32 weights and int8
-weights. Already exported directories are kept.
+weights (`--weight-formats ... int4` adds 4-bit weights, asymmetric in groups of 32 values as
+Q4_1's blocks: the model's 576-wide rows do not split into optimum's default groups of 128).
+Already exported directories are kept.
 
     .venv-ovgenai/bin/python benchmark/throughput/export_ov_model.py --output-dir DIR
 """
@@ -50,8 +52,10 @@ def main() -> None:
         out = os.path.join(args.output_dir, fmt)
         if os.path.exists(os.path.join(out, "openvino_model.xml")):
             continue
+        extra = ["--group-size", "32", "--ratio", "1.0"] if fmt == "int4" else []
         subprocess.run([cli, "export", "openvino", "--model", hf_dir, "--task",
-                        "text-generation-with-past", "--weight-format", fmt, out], check=True)
+                        "text-generation-with-past", "--weight-format", fmt, *extra, out],
+                       check=True)
     print(args.output_dir)
 
 

@@ -1,7 +1,10 @@
-"""One OpenVINO GenAI run of a W2 job; started by bench_w2.py with the OpenVINO GenAI venv's python.
+"""One OpenVINO GenAI run of a W2 (or W1) job; started by bench_w2.py / bench_w1.py with the
+OpenVINO GenAI venv's python.
 
 Reads the job (JSON: model dir, prompts as token ids, output length, threads, scheduler
 settings) from argv[1], writes the result (JSON) to argv[2]. Imports nothing of airserve.
+`"pipeline": "llm"` runs `LLMPipeline` (OpenVINO GenAI's stateful pipeline for one stream, its
+fastest for W1) instead of `ContinuousBatchingPipeline`; it takes one prompt.
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ def main() -> None:
     props = {"INFERENCE_NUM_THREADS": job["threads"]}
     if job.get("precision"):
         props["INFERENCE_PRECISION_HINT"] = job["precision"]
+    llm = job.get("pipeline") == "llm"
+    if llm and len(job["prompts"]) != 1:
+        raise SystemExit("pipeline llm (LLMPipeline) runs one prompt; use the continuous "
+                         "batching pipeline for more")
     t0 = time.perf_counter()
-    pipe = genai.ContinuousBatchingPipeline(job["model_dir"], sched, "CPU", props)
+    if llm:
+        pipe = genai.LLMPipeline(job["model_dir"], "CPU", **props)
+    else:
+        pipe = genai.ContinuousBatchingPipeline(job["model_dir"], sched, "CPU", props)
     load_s = time.perf_counter() - t0
 
     def config(max_new: int) -> genai.GenerationConfig:
@@ -39,17 +49,22 @@ def main() -> None:
     def tensors(prompts: list[list[int]]) -> list:
         return [ov.Tensor(np.asarray([p], dtype=np.int64)) for p in prompts]
 
-    pipe.generate(tensors([job["lone_prompt"]]), [config(8)])  # warm-up: compiles the graphs
+    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        if llm:
+            r = pipe.generate(tensors(prompts)[0], config(max_new))
+            return [list(r.tokens[0])]
+        results = pipe.generate(tensors(prompts), [config(max_new)] * len(prompts))
+        return [list(r.m_generation_ids[0]) for r in results]
+
+    generate([job["lone_prompt"]], 8)  # warm-up: compiles the graphs
     ttft = []
     for _ in range(job["ttft_repeats"]):
         t = time.perf_counter()
-        pipe.generate(tensors([job["lone_prompt"]]), [config(1)])
+        generate([job["lone_prompt"]], 1)
         ttft.append(time.perf_counter() - t)
-    prompts = job["prompts"]
     t = time.perf_counter()
-    results = pipe.generate(tensors(prompts), [config(job["output_len"])] * len(prompts))
+    outputs = generate(job["prompts"], job["output_len"])
     wall = time.perf_counter() - t
-    outputs = [list(r.m_generation_ids[0]) for r in results]
     out = {
         "load_s": load_s,
         "wall_s": wall,
