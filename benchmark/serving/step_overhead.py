@@ -16,7 +16,7 @@ prompts:
 The offline parts run in this process, the server after them (never both at once). Prints a
 table and writes JSON, the CPU named. Timing on a shared machine is noisy: run it quiet.
 
-    python benchmark/serving/step_overhead.py [--mode eager|compile] [--batch-sizes 1 64]
+    python benchmark/serving/step_overhead.py [--mode eager|compile|openvino] [--batch-sizes 1 64]
         [--tokens 64 16] [--no-served] [--json F]
 """
 
@@ -46,8 +46,10 @@ SPANS = ("schedule", "forward", "sample", "process_rest", "other")
 def server_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {"num_threads": args.threads, "max_running_requests": max(args.batch_sizes),
               "cpu_decode_activations": args.activations}
-    if args.mode == "compile":
+    if args.mode in ("compile", "openvino"):
         kwargs.update(enable_torch_compile=True, cuda_graph_bs=tuple(args.graph_bs))
+        if args.mode == "openvino":
+            kwargs["torch_compile_backend"] = "openvino"
         if args.compile_cache_dir:
             kwargs["compile_cache_dir"] = args.compile_cache_dir
     return kwargs
@@ -223,7 +225,7 @@ def print_table(rows: dict, cpu: str, mode: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("eager", "compile"), default="eager")
+    p.add_argument("--mode", choices=("eager", "compile", "openvino"), default="eager")
     p.add_argument("--graph-bs", type=int, nargs="+", default=[1],
                    help="graph runner buckets with --mode compile (others run eager)")
     p.add_argument("--compile-cache-dir", default="~/.cache/airserve/step_overhead_compile")

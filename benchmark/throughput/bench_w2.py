@@ -30,6 +30,7 @@ of that round, and the summary gives each configuration's median tok/s and media
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import resource
@@ -106,6 +107,12 @@ def server_args_for(mode: str, args: argparse.Namespace, path: str = "auto") -> 
         kwargs["model_path"] = args.model_path
     if kwargs.get("enable_torch_compile"):
         kwargs["cuda_graph_bs"] = tuple(args.graph_bs)
+    for item in getattr(args, "server_arg", None) or []:  # --server-arg KEY=VALUE, every config
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
     return kwargs
 
 
@@ -344,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ov-kv-cache-gb", type=int, default=2)
     p.add_argument("--ov-precision", default=None, help="INFERENCE_PRECISION_HINT (default: "
                    "OpenVINO's own choice for this CPU)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a ServerArgs field for every airserve configuration (offline and "
+                        "served), e.g. openvino_static_kv_len=512; repeatable")
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--timeout", type=float, default=3600, help="per configuration, seconds")
     p.add_argument("--output", default="w2_results.json")

@@ -187,6 +187,10 @@ class ServerArgs:
     # OpenVINO's DYNAMIC_QUANTIZATION_GROUP_SIZE for packed weights: > 0 quantizes activations
     # to int8 per group of that many values (faster, other numerics); 0 keeps float arithmetic.
     openvino_dynamic_quant_group_size: int = 0
+    # KV lengths (tokens) whose static decode graphs are compiled at start-up, for every batch
+    # bucket: the widths of the KV ladder (256, 512, ...) up to this; wider ones compile on
+    # first need, beside serving (OpenVINORunner's module docstring).
+    openvino_static_kv_len: int = 256
 
     # HTTP server.
     host: str = "127.0.0.1"
@@ -231,6 +235,9 @@ class ServerArgs:
         if self.openvino_weights not in OPENVINO_WEIGHTS:
             raise ValueError(f"openvino_weights={self.openvino_weights!r}: "
                              f"choose one of {', '.join(OPENVINO_WEIGHTS)}")
+        if self.openvino_static_kv_len < 0:
+            raise ValueError(f"openvino_static_kv_len={self.openvino_static_kv_len}: must be "
+                             ">= 0 (tokens; the smallest KV width is always compiled)")
         if self.openvino_dynamic_quant_group_size < 0:
             raise ValueError(f"openvino_dynamic_quant_group_size="
                              f"{self.openvino_dynamic_quant_group_size}: must be >= 0 (0 = off)")
@@ -627,6 +634,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--openvino-weights", choices=OPENVINO_WEIGHTS, default=d.openvino_weights,
                    help="packed: a GGUF model's 4/8-bit blocks as OpenVINO compressed weights; "
                         "float: float32 weights")
+    g.add_argument("--openvino-static-kv-len", type=int, default=d.openvino_static_kv_len,
+                   help="compile the static decode graphs of the KV widths up to this many "
+                        "tokens at start-up (each ~4 s a bucket on 2 cores); wider widths "
+                        "compile when a request first needs them, beside serving")
     g.add_argument("--openvino-dynamic-quant-group-size", type=int,
                    default=d.openvino_dynamic_quant_group_size,
                    help="int8 activations per group of N values in OpenVINO's matmuls with "

@@ -412,3 +412,19 @@ def test_default_model_greedy_ids_equal_eager():
     runner = ov.model_runner
     assert runner.graph_replays >= 63 and not runner.fallback_counts
     assert out == ref
+
+
+def test_start_up_compiles_the_static_widths_up_to_the_flag(tiny_llama_dir, small_kv_buckets):
+    """--openvino-static-kv-len: every bucket's requests and static graphs for the KV widths up
+    to that many tokens exist when start-up ends (no compile beside the first long requests);
+    wider widths are left to first need. The default compiles the first width alone."""
+    ov = ModelRunner(ov_args(tiny_llama_dir, 1, buckets=(1, 2), openvino_static_kv_len=64))
+    runner: OpenVINORunner = ov.graph_runner
+    assert runner.kv_blocks[:3] == [32, 64, 128]
+    assert sorted(runner.graphs) == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    assert all(g.run is g.static for g in runner.graphs.values())  # ready before any decode
+    assert set(runner.report()["static_requests"]) == {"1x32", "1x64", "2x32", "2x64"}
+    assert runner.static_widths_at_start() == [32, 64]
+    assert ov_args(tiny_llama_dir, 1).openvino_static_kv_len == 256  # the unpatched first width
+    with pytest.raises(ValueError, match="openvino_static_kv_len=-1"):
+        ov_args(tiny_llama_dir, 1, openvino_static_kv_len=-1)

@@ -43,6 +43,7 @@ class RunnerConfig:
     openvino_num_threads: int | None  # --openvino-num-threads, else --num-threads
     openvino_weights: str
     openvino_dynamic_quant_group_size: int
+    openvino_static_kv_len: int
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> RunnerConfig:
@@ -64,6 +65,7 @@ class RunnerConfig:
             openvino_num_threads=args.openvino_num_threads or args.num_threads,
             openvino_weights=args.openvino_weights,
             openvino_dynamic_quant_group_size=args.openvino_dynamic_quant_group_size,
+            openvino_static_kv_len=args.openvino_static_kv_len,
         )
 
     @property

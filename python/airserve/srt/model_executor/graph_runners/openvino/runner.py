@@ -9,8 +9,13 @@ per batch size with the block table's width symbolic; each (batch size, width) p
 infer request of that one compiled model, bound the first time a batch needs it (no compile, no
 stall). The symbolic width costs OpenVINO ~20% a step, so each pair's graph is also compiled
 again with its width a constant, on a worker thread (OpenVINO's compile alone, ~4 s, no
-re-trace), and the pair switches to it when it is ready. The KV pool is a graph input that
-OpenVINO reads in place (only through gathers; `_check_pool_reads` warns otherwise).
+re-trace), and the pair switches to it when it is ready. Start-up compiles the static graphs of
+the widths up to `--openvino-static-kv-len` tokens (default 256, the first) for every bucket;
+a wider one compiles when a batch first needs it, and until then that batch runs the symbolic
+graph on cores it shares with the compile: on a 2-core AMD EPYC (AVX2), W1's one stream
+crossing 256 tokens ran ~5 s of 25-50 ms steps against ~15 ms before and after. The KV pool is
+a graph input that OpenVINO reads in place (only through gathers; `_check_pool_reads` warns
+otherwise).
 
 The graph never writes the cache (OpenVINO loses in-place writes): it attends over the cached
 tokens plus the new token's K/V and returns the new K/V, which `replay_bucket` writes at
@@ -183,6 +188,18 @@ class OpenVINORunner(GraphRunner):
         # widths get theirs on first need.
         self.wait_static()
         trim_heap()
+        if self.dynamic_kv and self.static_widths_at_start() == [self.trace_blocks]:
+            logger.info("OpenVINO static decode graphs compiled for KV length %d; a batch past "
+                        "it compiles the next width on first need (~4 s beside serving, "
+                        "slower steps meanwhile): --openvino-static-kv-len compiles more at "
+                        "start-up", self.trace_blocks * self.page_size)
+
+    def static_widths_at_start(self) -> list[int]:
+        """KV widths (block-table columns) whose requests and static graphs start-up makes for
+        each bucket: the traced width and every width up to --openvino-static-kv-len tokens."""
+        limit = self.config.openvino_static_kv_len
+        return [self.trace_blocks] + [b for b in self.kv_blocks if b != self.trace_blocks
+                                      and b * self.page_size <= limit]
 
     def capture_bucket(self, bs: int, fb: ForwardBatch) -> None:
         """Compile (and verify) the graph of `bs` rows, its block-table width symbolic, and
@@ -203,6 +220,8 @@ class OpenVINORunner(GraphRunner):
         self.compilers[bs] = compiler
         self._check_pool_reads(compiler)
         self._request(bs, self.trace_blocks, fb, table)
+        for kv_blocks in self.static_widths_at_start()[1:]:
+            self._request(bs, kv_blocks, fb)
         logger.info("OpenVINO decode graph bs=%d compiled in %.1fs (kv_len %s, %s, %s, "
                     "weights %s)", bs, self.compile_seconds[bs],
                     "dynamic" if self.dynamic_kv else self.trace_blocks * self.page_size,
