@@ -218,5 +218,7 @@ def test_compiled_graph_calls_the_int16_kernel(kind: str) -> None:
     seen, out = compiled_calls(layer, x, True)
     assert seen == [getattr(torch.ops.airserve, f"{kind}_matmul_i16")]
     assert torch.equal(out, layer(x, decode=True))
-    inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x, True)
+    # Every test's new Linear is a recompile of the same code: a generous limit, as elsewhere.
+    with torch._dynamo.config.patch(recompile_limit=256):
+        inductor = torch.compile(layer, fullgraph=True, dynamic=False)(x, True)
     torch.testing.assert_close(inductor, layer(x, decode=True), rtol=0, atol=0)

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -223,15 +224,51 @@ void column(const uint8_t* q, const at::Half* d, const at::Half* m, int64_t nb,
 #pragma GCC pop_options
 #endif  // AIRSERVE_I16_AVX2
 
-at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                                const at::Tensor& m, bool vector) {
-  const char* name = "airserve::q4_1_matmul_i16";
+using QuantizeFn = void (*)(const float*, int64_t, int16_t*, float*, float*);
+
+// x must be float32 [M, K], 1 <= M <= kMaxRows, K a multiple of 32; returns {M, K}.
+std::pair<int64_t, int64_t> check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
               ": x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, name, ": at least 1 and at most ", kMaxRows,
               " rows, got ", M);
   TORCH_CHECK(K % kBlock == 0, name, ": K=", K, " is not a multiple of ", kBlock);
+  return {M, K};
+}
+
+// The [M, N] product: x's rows quantized by `avx2` where `vector` holds and the CPU has AVX2
+// (else by `portable`), then column(n, rows, vector, out + n) for every output column n, split
+// across torch's threads (out + n is row 0's element; row r's is r * N further).
+template <typename Column>
+at::Tensor int16_product(const at::Tensor& x, int64_t N, bool vector, QuantizeFn avx2,
+                         QuantizeFn portable, Column column) {
+  vector = vector && avx2 != nullptr && airserve_int16::avx2_here();
+  const int64_t M = x.size(0), K = x.size(1);
+  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K,
+                                                vector ? avx2 : portable);
+  const Row* rows = quantized.rows();
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) column(n, rows, vector, o + n);
+  });
+  return out;
+}
+
+#ifdef AIRSERVE_I16_AVX2
+constexpr QuantizeFn kAvx2Quantize = i16_avx2::quantize_row;
+constexpr QuantizeFn kAvx2QuantizeNatural = i16_avx2::quantize_row_natural;
+#else
+constexpr QuantizeFn kAvx2Quantize = nullptr;
+constexpr QuantizeFn kAvx2QuantizeNatural = nullptr;
+#endif
+
+at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                const at::Tensor& m, bool vector) {
+  const char* name = "airserve::q4_1_matmul_i16";
+  const std::pair<int64_t, int64_t> mk = check_x(x, name);
+  const int64_t M = mk.first, K = mk.second;
   const int64_t nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.size(1) == K / 2 &&
                   qs.is_contiguous(),
@@ -241,48 +278,30 @@ at::Tensor q4_1_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kHalf && t->is_contiguous() &&
                     t->size(0) == N && t->size(1) == nb,
                 name, ": d and m must be contiguous float16 [", N, ", ", nb, "]");
-#ifdef AIRSERVE_I16_AVX2
-  vector = vector && airserve_int16::avx2_here();
-  const auto quantize = vector ? i16_avx2::quantize_row : quantize_row;
-#else
-  vector = false;
-  const auto quantize = quantize_row;
-#endif
-  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K, quantize);
-  const Row* rows = quantized.rows();
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* o = out.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qn = q + n * (K / 2);
-      const at::Half* dn = dp + n * nb;
-      const at::Half* mn = mp + n * nb;
+  return int16_product(x, N, vector, kAvx2Quantize, quantize_row,
+                       [&](int64_t n, const Row* rows, bool simd, float* o) {
+    const uint8_t* qn = q + n * (K / 2);
+    const at::Half *dn = dp + n * nb, *mn = mp + n * nb;
 #ifdef AIRSERVE_I16_AVX2
-      if (vector) {
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) i16_avx2::column<2>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
-        if (r < M) i16_avx2::column<1>(qn, dn, mn, nb, &rows[r], o + r * N + n, N);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; ++r) column_portable(qn, dn, mn, nb, rows[r], o + r * N + n);
+    if (simd) {
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2) i16_avx2::column<2>(qn, dn, mn, nb, &rows[r], o + r * N, N);
+      if (r < M) i16_avx2::column<1>(qn, dn, mn, nb, &rows[r], o + r * N, N);
+      return;
     }
+#endif
+    for (int64_t r = 0; r < M; ++r) column_portable(qn, dn, mn, nb, rows[r], o + r * N);
   });
-  return out;
 }
 
 at::Tensor q8_0_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                                 bool vector) {
   const char* name = "airserve::q8_0_matmul_i16";
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
-              ": x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, name, ": at least 1 and at most ", kMaxRows,
-              " rows, got ", M);
-  TORCH_CHECK(K % kBlock == 0, name, ": K=", K, " is not a multiple of ", kBlock);
+  const std::pair<int64_t, int64_t> mk = check_x(x, name);
+  const int64_t M = mk.first, K = mk.second;
   const int64_t nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.size(1) == K &&
                   qs.is_contiguous(),
@@ -291,35 +310,22 @@ at::Tensor q8_0_matmul_i16_impl(const at::Tensor& x, const at::Tensor& qs, const
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() &&
                   d.size(0) == N && d.size(1) == nb,
               name, ": d must be contiguous float16 [", N, ", ", nb, "]");
-#ifdef AIRSERVE_I16_AVX2
-  vector = vector && airserve_int16::avx2_here();
-  const auto quantize = vector ? i16_avx2::quantize_row_natural : quantize_row_natural;
-#else
-  vector = false;
-  const auto quantize = quantize_row_natural;
-#endif
-  const airserve_int16::QuantizedRows quantized(x.data_ptr<float>(), M, K, quantize);
-  const Row* rows = quantized.rows();
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* o = out.data_ptr<float>();
   const int8_t* q = qs.data_ptr<int8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* qn = q + n * K;
-      const at::Half* dn = dp + n * nb;
+  return int16_product(x, N, vector, kAvx2QuantizeNatural, quantize_row_natural,
+                       [&](int64_t n, const Row* rows, bool simd, float* o) {
+    const int8_t* qn = q + n * K;
+    const at::Half* dn = dp + n * nb;
 #ifdef AIRSERVE_I16_AVX2
-      if (vector) {
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) i16_avx2::column_q8_0<2>(qn, dn, nb, &rows[r], o + r * N + n, N);
-        if (r < M) i16_avx2::column_q8_0<1>(qn, dn, nb, &rows[r], o + r * N + n, N);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; ++r) column_portable_q8_0(qn, dn, nb, rows[r], o + r * N + n);
+    if (simd) {
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2) i16_avx2::column_q8_0<2>(qn, dn, nb, &rows[r], o + r * N, N);
+      if (r < M) i16_avx2::column_q8_0<1>(qn, dn, nb, &rows[r], o + r * N, N);
+      return;
     }
+#endif
+    for (int64_t r = 0; r < M; ++r) column_portable_q8_0(qn, dn, nb, rows[r], o + r * N);
   });
-  return out;
 }
 
 at::Tensor q8_0_matmul_i16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
