@@ -185,7 +185,7 @@ def teacher_forced(runner, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.T
 
 
 @contextlib.contextmanager
-def auto_int8_kinds(kinds: frozenset[str] | None, int16_kinds: frozenset[str] | None = None):
+def auto_rules(kinds: frozenset[str] | None, int16_kinds: frozenset[str] | None = None):
     """Within the block, "auto" takes int8 for `kinds` and int16 for `int16_kinds` (None: the
     shipped rule). The rules are read when each product runs (block_matvec.resolve_activations),
     so this swaps them for the run and puts the shipped ones back."""
@@ -242,8 +242,8 @@ def check(schemes: list[str], n_tokens: int, batch: int, isas: list[str] | None 
             set_activations(runner.model, act)
             for isa in isas or [block_matvec.int8_isas()[0]]:
                 block_matvec.use_int8_isa(isa)
-                with auto_int8_kinds(auto_kinds if act == "auto" else None,
-                                     auto_int16_kinds if act == "auto" else None):
+                with auto_rules(auto_kinds if act == "auto" else None,
+                                auto_int16_kinds if act == "auto" else None):
                     top1, logp = teacher_forced(runner, seqs)
                 int8_kinds = sorted(auto_kinds if auto_kinds is not None
                                     else block_matvec.AUTO_INT8_KINDS)

@@ -20,7 +20,6 @@ on a shared machine is noisy.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "throughput"))
 
 GROUPS = (("airserve::q4_1_matmul", "q4_1 products (float32)"),
           ("airserve::block_matmul_int8", "q4_1 int8 products"),
@@ -45,20 +45,6 @@ def group_of(name: str) -> str:
         if key in name:
             return group
     return "other"
-
-
-def parse_options(items: list[str]) -> dict:
-    """KEY=VALUE pairs; a value is read as a Python literal when it is one."""
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--inductor takes KEY=VALUE, got {item!r}")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return options
 
 
 def build(a: argparse.Namespace, options: dict, runner_from=None):
@@ -145,12 +131,13 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from bench_decode_step import Batch
+    from bench_w2 import key_values
 
     from airserve.srt.hardware import host_cpu
 
     variants = {"default": {}}
     if a.inductor:
-        variants[" ".join(a.inductor)] = parse_options(a.inductor)
+        variants[" ".join(a.inductor)] = key_values(a.inductor, "--inductor")
     rows, batches, first = [], {}, None
     for name, options in variants.items():
         runner, build_s = build(a, options, first)

@@ -18,34 +18,28 @@ Prints each side's median decode tok/s and its ratio to the first side's, and wr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+import fidelity  # noqa: E402
 import profile_w2  # noqa: E402
 
 RULES = ("float32", "int8", "int16", "auto", "auto-no-int16")
 
 
-@contextlib.contextmanager
 def rule(name: str):
-    """Within the block, `auto` without int16 for "auto-no-int16" (the kinds are read when a
-    product is traced or runs)."""
-    from airserve.srt.layers.quant import block_matvec
-
-    shipped = block_matvec.AUTO_INT16_KINDS
-    if name == "auto-no-int16":
-        block_matvec.AUTO_INT16_KINDS = frozenset()
-    elif name.startswith("auto-int16:"):
-        block_matvec.AUTO_INT16_KINDS = frozenset(name.split(":", 1)[1].split("+"))
-    try:
-        yield
-    finally:
-        block_matvec.AUTO_INT16_KINDS = shipped
+    """A context within which `auto` takes int16 as rule `name` says: for no kind under
+    "auto-no-int16", for the named kinds under "auto-int16:A+B", as shipped otherwise (the
+    kinds are read when a product is traced or runs; fidelity.auto_rules swaps them)."""
+    kinds = (frozenset() if name == "auto-no-int16"
+             else frozenset(name.split(":", 1)[1].split("+")) if name.startswith("auto-int16:")
+             else None)
+    return fidelity.auto_rules(None, kinds)
 
 
 def parse_side(text: str) -> tuple[str, str]:

@@ -85,6 +85,21 @@ DEFAULT_CONFIGS = ["airserve:eager", "airserve:compile", "served:eager", "ov-gen
 FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
 
 
+def key_values(items: list[str], flag: str) -> dict[str, Any]:
+    """A repeatable flag's KEY=VALUE strings as a dict; a value is read as a Python literal when
+    it is one (512, 0.8, True, (1, 2)), else kept as the string (auto, a path)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not key or not sep:
+            raise SystemExit(f"{flag} takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
 def make_job(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     # Ids away from both ends of the vocabulary (special tokens sit at the start).
@@ -107,12 +122,7 @@ def server_args_for(mode: str, args: argparse.Namespace, path: str = "auto") -> 
         kwargs["model_path"] = args.model_path
     if kwargs.get("enable_torch_compile"):
         kwargs["cuda_graph_bs"] = tuple(args.graph_bs)
-    for item in getattr(args, "server_arg", None) or []:  # --server-arg KEY=VALUE, every config
-        key, _, value = item.partition("=")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
+    kwargs.update(key_values(getattr(args, "server_arg", None) or [], "--server-arg"))
     return kwargs
 
 

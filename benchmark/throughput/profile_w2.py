@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_w2 import MODES, PATH_ARGS  # noqa: E402
+from bench_w2 import MODES, PATH_ARGS, key_values  # noqa: E402
 
 MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise",
               "airserve::onednn_linear", "airserve::fp16_weight_linear_cpp", "aten::bmm")
@@ -43,10 +43,7 @@ def build_engine(args: argparse.Namespace):
     kwargs.update(num_threads=args.num_threads, max_running_requests=args.num_prompts)
     if kwargs.get("enable_torch_compile"):
         kwargs["cuda_graph_bs"] = tuple(args.graph_bs)
-    kwargs.update(dict(kv.split("=", 1) for kv in args.server_arg))
-    for key, value in list(kwargs.items()):
-        if isinstance(value, str) and value.lstrip("-").isdigit():
-            kwargs[key] = int(value)
+    kwargs.update(key_values(args.server_arg, "--server-arg"))
     return airserve.Engine(**kwargs)
 
 
